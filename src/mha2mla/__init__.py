@@ -1,0 +1,24 @@
+"""mha2mla: convert MHA/GQA LLMs to Multi-head Latent Attention, fine-tune them, and serve them with a
+latent KV cache inside Hugging Face `generate`.
+
+Importing the package registers the MLA config and model with transformers' Auto classes, so
+`AutoModelForCausalLM.from_pretrained(mla_dir)` works without `trust_remote_code`.
+"""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .modeling import LatentCache, MLAConfig, MLAForCausalLM
+from .sources import load_model, load_source
+
+AutoConfig.register("mla", MLAConfig, exist_ok=True)
+AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
+
+
+def convert(*args, **kwargs):
+    """Convert a source model to MLA; see `mha2mla.convert.convert_model`."""
+    from .convert import convert_model
+
+    return convert_model(*args, **kwargs)
+
+
+__all__ = ["load_source", "load_model", "convert", "MLAConfig", "MLAForCausalLM", "LatentCache"]

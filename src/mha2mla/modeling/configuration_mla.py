@@ -1,0 +1,111 @@
+"""Configuration of a Multi-head Latent Attention (MLA) decoder converted from an MHA/GQA model.
+
+The transformer around attention is the source family's (Llama, Mistral, Qwen2: RMSNorm, SwiGLU MLP,
+optional q/k/v bias, optional sliding window); its fields keep their source names. What MLA adds:
+
+* `d_kv`: latent width per KV head; the cached latent `c_kv` has `n_kv·d_kv` values per token.
+* `rope_pairs` (r): frequency pairs that keep RoPE per rope head; `kept_pairs[layer][rope_head]`
+  lists them as indices into `rope_inv_freq` (the source's own frequencies, scaling included).
+* `rope_layout`: "per_head" (one RoPE key of 2r dims per KV head, the paper's partial RoPE) or
+  "shared" (one RoPE key of 2r dims shared by every query head, DeepSeek's k_pe layout).
+* `d_nope`: per-head width of the position-free query/key part (d_h − 2r for "per_head").
+* `svd`: "joint" (K and V read the whole latent) or "split" (each reads its own half).
+* `kv_bits`: default bit width of the latent cache (16 = unquantized, 4 or 2 = packed integers with
+  `kv_residual` recent tokens kept in full precision, groups of `kv_group_size` values).
+
+KV cache per token per layer = n_kv·d_kv + n_rope_heads·2r values.
+"""
+
+from transformers import PretrainedConfig
+
+
+class MLAConfig(PretrainedConfig):
+    model_type = "mla"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+
+    def __init__(
+        self,
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=None,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        use_cache=True,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        o_proj_bias=False,
+        mlp_bias=False,
+        sliding_window=None,
+        rope_theta=10000.0,
+        rope_inv_freq=None,
+        rope_attention_scaling=1.0,
+        d_kv=16,
+        rope_pairs=4,
+        kept_pairs=None,
+        rope_layout="per_head",
+        d_nope=None,
+        svd="joint",
+        kv_bits=16,
+        kv_residual=128,
+        kv_group_size=32,
+        source_model=None,
+        source_family="llama",
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.use_cache = use_cache
+        self.attention_bias = attention_bias
+        self.o_proj_bias = o_proj_bias
+        self.mlp_bias = mlp_bias
+        self.sliding_window = sliding_window
+        self.rope_theta = rope_theta
+        half = self.head_dim // 2
+        self.rope_inv_freq = rope_inv_freq or [rope_theta ** (-2 * i / self.head_dim) for i in range(half)]
+        self.rope_attention_scaling = rope_attention_scaling
+        self.d_kv = d_kv
+        self.rope_pairs = rope_pairs
+        self.rope_layout = rope_layout
+        n_rope_heads = num_key_value_heads if rope_layout == "per_head" else 1
+        self.kept_pairs = kept_pairs or [[list(range(half - rope_pairs, half))] * n_rope_heads
+                                         for _ in range(num_hidden_layers)]
+        self.d_nope = d_nope if d_nope is not None else (
+            self.head_dim - 2 * rope_pairs if rope_layout == "per_head" else self.head_dim)
+        self.svd = svd
+        self.kv_bits = kv_bits
+        self.kv_residual = kv_residual
+        self.kv_group_size = kv_group_size
+        self.source_model = source_model
+        self.source_family = source_family
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @property
+    def n_rope_heads(self) -> int:
+        return self.num_key_value_heads if self.rope_layout == "per_head" else 1
+
+    @property
+    def kv_latent_dim(self) -> int:
+        return self.num_key_value_heads * self.d_kv
+
+    @property
+    def kv_elements_per_token_per_layer(self) -> int:
+        return self.kv_latent_dim + self.n_rope_heads * 2 * self.rope_pairs

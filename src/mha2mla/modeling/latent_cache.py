@@ -1,0 +1,185 @@
+"""LatentCache: the KV cache of an MLA model, holding only what MLA needs to attend.
+
+Per layer it stores two tensors and nothing else:
+
+    c_kv    [batch, 1, tokens, n_kv·d_kv]        the joint latent (shared by every query head)
+    k_rope  [batch, n_rope_heads, tokens, 2r]    the RoPE'd key part
+
+so a token costs n_kv·d_kv + n_rope_heads·2r values per layer, against 2·n_kv·d_h for an MHA/GQA
+cache. Full keys and values are never stored; the attention rebuilds them transiently or, when
+decoding, never (weight absorption in modeling_mla).
+
+With `kv_bits` 4 or 2 the cache quantizes both tensors per token, in groups of `group_size` values,
+asymmetrically (x ≈ scale·q + zero, q ∈ [0, 2^bits − 1]) and packs 8/bits codes per byte; the newest
+`residual` tokens stay in full precision (the KIVI recipe), so the freshest context, which attention
+weights most, is exact. Bytes per token and layer then are, for each of the two tensors of width D:
+D·bits/8 (codes) + 2·(D/g)·2 (fp16 scale and zero per group of g values).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+def group_size_for(width: int, group_size: int) -> int:
+    """The largest divisor of `width` not above `group_size` (groups must tile a token's vector)."""
+    return max(g for g in range(1, min(width, group_size) + 1) if width % g == 0)
+
+
+def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric quantization of the last dim, packed: (codes uint8, scale, zero) in fp16."""
+    *lead, width = x.shape
+    xg = x.float().reshape(*lead, width // group, group)
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    levels = 2**bits - 1
+    scale = ((hi - lo) / levels).clamp_min(1e-8)
+    q = ((xg - lo) / scale).round_().clamp_(0, levels).to(torch.uint8).reshape(*lead, width)
+    per_byte = 8 // bits
+    q = q.reshape(*lead, width // per_byte, per_byte)
+    shifts = torch.arange(per_byte, device=x.device, dtype=torch.uint8) * bits
+    packed = (q << shifts).sum(-1, dtype=torch.uint8)
+    return packed, scale.squeeze(-1).half(), lo.squeeze(-1).half()
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize`, in `dtype`."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8) * bits
+    q = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
+    *lead, n_bytes = packed.shape
+    groups = scale.shape[-1]
+    q = q.reshape(*lead, groups, n_bytes * per_byte // groups).float()
+    x = q * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return x.reshape(*lead, n_bytes * per_byte).to(dtype)
+
+
+class QuantizedLatentLayer(DynamicLayer):
+    """One layer's latent cache with int4/int2 storage and a full-precision window of recent tokens.
+
+    `keys` / `values` (inherited names) hold the full-precision window of c_kv / k_rope; `packed`
+    holds, per tensor, (codes, scale, zero) of everything older.
+    """
+
+    def __init__(self, bits: int, residual: int, group_size: int):
+        super().__init__()
+        if bits not in (2, 4):
+            raise ValueError(f"kv_bits must be 16, 4 or 2, got {bits}")
+        self.bits, self.residual, self.group_size = bits, residual, group_size
+        self.packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self.dtype: torch.dtype | None = None
+
+    def _quantize(self, x: torch.Tensor):
+        width = x.shape[-1]
+        if (width * self.bits) % 8:
+            raise ValueError(f"a cached width of {width} cannot be packed at {self.bits} bits")
+        return quantize(x, self.bits, group_size_for(width, self.group_size))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.dtype = key_states.dtype
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        overflow = self.keys.shape[-2] - self.residual
+        if overflow > 0:
+            fresh = [self._quantize(t[..., :overflow, :]) for t in (self.keys, self.values)]
+            if self.packed is None:
+                self.packed = fresh
+            else:
+                self.packed = [tuple(torch.cat([a, b], dim=-2) for a, b in zip(old, new))
+                               for old, new in zip(self.packed, fresh)]
+            self.keys = self.keys[..., overflow:, :].contiguous()
+            self.values = self.values[..., overflow:, :].contiguous()
+        return self._full()
+
+    def _full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.packed is None:
+            return self.keys, self.values
+        old = [dequantize(*p, self.bits, self.dtype) for p in self.packed]
+        return torch.cat([old[0], self.keys], dim=-2), torch.cat([old[1], self.values], dim=-2)
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        quantized = self.packed[0][0].shape[-2] if self.packed is not None else 0
+        return quantized + self.keys.shape[-2]
+
+    def tensors(self) -> list[torch.Tensor]:
+        stored = [self.keys, self.values] if self.is_initialized else []
+        return stored + ([t for p in self.packed for t in p] if self.packed is not None else [])
+
+    def _map(self, fn) -> None:
+        if self.is_initialized:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+            if self.packed is not None:
+                self.packed = [tuple(fn(t) for t in p) for p in self.packed]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a quantized latent cache cannot be cropped; use kv_bits=16")
+
+    def reset(self) -> None:
+        self.packed = None
+        super().reset()
+
+
+class LatentCache(Cache):
+    """A transformers Cache of c_kv and k_rope per layer, optionally int4/int2-quantized.
+
+    `model.generate()` on an MLA model creates one automatically (with `config.kv_bits`); pass
+    `cache=LatentCache(model.config, kv_bits=4)` (or `past_key_values=` on older transformers) to
+    choose per call.
+    """
+
+    def __init__(self, config, kv_bits: int | None = None, residual: int | None = None,
+                 group_size: int | None = None):
+        self.kv_bits = int(kv_bits if kv_bits is not None else getattr(config, "kv_bits", 16))
+        residual = config.kv_residual if residual is None else residual
+        group_size = config.kv_group_size if group_size is None else group_size
+        if self.kv_bits == 16:
+            layers = [DynamicLayer() for _ in range(config.num_hidden_layers)]
+        else:
+            layers = [QuantizedLatentLayer(self.kv_bits, residual, group_size)
+                      for _ in range(config.num_hidden_layers)]
+        super().__init__(layers=layers)
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds (for memory accounting)."""
+        out = []
+        for layer in self.layers:
+            if isinstance(layer, QuantizedLatentLayer):
+                out += layer.tensors()
+            elif layer.is_initialized:
+                out += [layer.keys, layer.values]
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stored_tensors())
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.stored_tensors())
+
+
+def quantized_bytes_per_token(width: int, bits: int, group_size: int) -> float:
+    """Bytes one token's vector of `width` values costs in the quantized part of the cache."""
+    groups = width // group_size_for(width, group_size)
+    return width * bits / 8 + groups * 2 * 2
+
+
+def kv_bytes_per_token_per_layer(config, bits: int = 16, dtype_bytes: int = 2) -> float:
+    """Cache bytes per token and layer at long context (the full-precision residual window excluded)."""
+    latent, rope = config.kv_latent_dim, config.n_rope_heads * 2 * config.rope_pairs
+    if bits == 16:
+        return (latent + rope) * dtype_bytes
+    return (quantized_bytes_per_token(latent, bits, config.kv_group_size)
+            + quantized_bytes_per_token(rope, bits, config.kv_group_size))
