@@ -9,6 +9,10 @@ so a token costs n_kv·d_kv + n_rope_heads·2r values per layer, against 2·n_kv
 cache. Full keys and values are never stored; the attention rebuilds them transiently or, when
 decoding, never (weight absorption in modeling_mla).
 
+Unquantized, each tensor lives in a buffer with up to GROW_TOKENS spare token rows: a decode step
+writes one row instead of copying the whole layer cache (what torch.cat in DynamicLayer does, O(T)
+per step); the buffer is reallocated only when full. `keys`/`values` are views of the filled rows.
+
 With `kv_bits` 4 or 2 the cache quantizes both tensors per token, in groups of `group_size` values,
 asymmetrically (x ≈ scale·q + zero, q ∈ [0, 2^bits − 1]) and packs 8/bits codes per byte; the newest
 `residual` tokens stay in full precision (the KIVI recipe), so the freshest context, which attention
@@ -20,6 +24,22 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+
+# Spare token rows a full buffer grows by: one O(T) reallocation per GROW_TOKENS decode steps, and
+# at most GROW_TOKENS·(n_kv·d_kv + n_rope·2r) unused values per layer.
+GROW_TOKENS = 256
+
+
+def append_rows(buffer: torch.Tensor, length: int, x: torch.Tensor) -> torch.Tensor:
+    """`buffer` with `x` written after its first `length` rows (dim −2), reallocated when full."""
+    needed = length + x.shape[-2]
+    if needed > buffer.shape[-2]:
+        grown = x.new_empty(*x.shape[:-2], needed + GROW_TOKENS, x.shape[-1])
+        grown[..., :length, :] = buffer[..., :length, :]
+        buffer = grown
+    buffer[..., length:needed, :] = x
+    return buffer
 
 
 def group_size_for(width: int, group_size: int) -> int:
@@ -55,12 +75,54 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     return x.reshape(*lead, n_bytes * per_byte).to(dtype)
 
 
-class QuantizedLatentLayer(DynamicLayer):
+class BatchOpsMixin:
+    """Beam search and batch edits of a layer, through its `_map(fn)` over every stored tensor."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices, ...])
+
+
+class LatentLayer(BatchOpsMixin, DynamicLayer):
+    """One layer's unquantized cache: `keys` = c_kv and `values` = k_rope (the inherited names), each a
+    view of the filled rows of a buffer with spare rows (`buffers`)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.buffers = tuple(x[..., :0, :] for x in (key_states, value_states))
+        self.keys, self.values = self.buffers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.keys.shape[-2], key_states.shape[-2]
+        self.buffers = tuple(append_rows(b, length, x) for b, x in zip(self.buffers, (key_states, value_states)))
+        self.keys, self.values = (b[..., :length + new, :] for b in self.buffers)
+        return self.keys, self.values
+
+    def _map(self, fn) -> None:
+        if self.is_initialized:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+            self.buffers = (self.keys, self.values)
+
+    def reset(self) -> None:
+        self.buffers = None
+        super().reset()
+
+
+class QuantizedLatentLayer(BatchOpsMixin, DynamicLayer):
     """One layer's latent cache with int4/int2 storage and a full-precision window of recent tokens.
 
     `keys` / `values` (inherited names) hold the full-precision window of c_kv / k_rope; `packed`
     holds, per tensor, (codes, scale, zero) of everything older.
     """
+
+    is_croppable = False
 
     def __init__(self, bits: int, residual: int, group_size: int):
         super().__init__()
@@ -116,15 +178,6 @@ class QuantizedLatentLayer(DynamicLayer):
             if self.packed is not None:
                 self.packed = [tuple(fn(t) for t in p) for p in self.packed]
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices, ...])
-
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a quantized latent cache cannot be cropped; use kv_bits=16")
 
@@ -147,14 +200,15 @@ class LatentCache(Cache):
         residual = config.kv_residual if residual is None else residual
         group_size = config.kv_group_size if group_size is None else group_size
         if self.kv_bits == 16:
-            layers = [DynamicLayer() for _ in range(config.num_hidden_layers)]
+            layers = [LatentLayer() for _ in range(config.num_hidden_layers)]
         else:
             layers = [QuantizedLatentLayer(self.kv_bits, residual, group_size)
                       for _ in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
 
     def stored_tensors(self) -> list[torch.Tensor]:
-        """Every tensor the cache holds (for memory accounting)."""
+        """Every tensor the cache holds, cut to the stored tokens (unquantized layers keep up to
+        GROW_TOKENS spare token rows beyond these in their buffers)."""
         out = []
         for layer in self.layers:
             if isinstance(layer, QuantizedLatentLayer):
@@ -177,9 +231,13 @@ def quantized_bytes_per_token(width: int, bits: int, group_size: int) -> float:
 
 
 def kv_bytes_per_token_per_layer(config, bits: int = 16, dtype_bytes: int = 2) -> float:
-    """Cache bytes per token and layer at long context (the full-precision residual window excluded)."""
-    latent, rope = config.kv_latent_dim, config.n_rope_heads * 2 * config.rope_pairs
+    """Cache bytes per token and layer at long context (the full-precision residual window excluded).
+
+    c_kv is quantized as one vector of n_kv·d_kv values per token, k_rope as one vector of 2r values
+    per RoPE head and token (the layouts the cache stores).
+    """
+    latent, rope = config.kv_latent_dim, 2 * config.rope_pairs
     if bits == 16:
-        return (latent + rope) * dtype_bytes
+        return (latent + config.n_rope_heads * rope) * dtype_bytes
     return (quantized_bytes_per_token(latent, bits, config.kv_group_size)
-            + quantized_bytes_per_token(rope, bits, config.kv_group_size))
+            + config.n_rope_heads * quantized_bytes_per_token(rope, bits, config.kv_group_size))

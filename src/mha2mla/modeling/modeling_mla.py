@@ -41,10 +41,12 @@ from .latent_cache import LatentCache
 # transformers 5.24 renamed the cache argument/output field `past_key_values` to `cache`.
 CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
-# Queries per step up to which a cached forward uses the absorbed path. Measured on CPU with the
-# SmolLM2-135M shape (benchmarks/decode.py): absorption wins by far for single-token decode, where
-# the expanded path must rebuild K/V for the whole context at every step; for a prompt-sized chunk
-# the rebuilt keys are shared by many queries and SDPA's fused kernel is faster.
+# Queries per step up to which a cached forward uses the absorbed path. Measured on a 2-core CPU
+# (1 thread; SmolLM2-135M shape: 9 heads, 3 KV heads, r=4; 4 layers; CPU ms per forward, absorbed vs
+# expanded): 1 query over 4096 cached tokens, batch 8: 27 vs 321; 16 queries, same: 208 vs 362
+# (d_kv=16), 257 vs 449 (d_kv=32), and absorbed is faster at 16 queries for every context (1024,
+# 4096), batch (1, 8) and d_kv (16, 32) tried; at 32 it is slower in 4 of those 8 cases, and from 48
+# on expanded wins: the rebuilt keys are then shared by enough queries.
 ABSORB_MAX_QUERY = 16
 
 
@@ -129,10 +131,15 @@ class MLAAttention(nn.Module):
         self.k_up = nn.Linear(k_width, self.n_kv * self.d_nope, bias=bias)
         self.v_up = nn.Linear(v_width, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
-        freqs = config.rope_inv_freq
-        self._inv_freq = torch.tensor([[freqs[i] for i in head] for head in config.kept_pairs[layer_idx]],
-                                      dtype=torch.float32)
         self.rope_scaling = config.rope_attention_scaling
+        self.set_rope_pairs(config.kept_pairs[layer_idx], config.rope_inv_freq)
+
+    def set_rope_pairs(self, kept_pairs: list[list[int]], inv_freq: list[float]) -> None:
+        """Use frequencies inv_freq[k] for k in kept_pairs[ρ] on RoPE head ρ ([n_rope][r] indices)."""
+        # an explicit device: from_pretrained builds modules under a meta-device context, and this
+        # tensor is no parameter or buffer that loading would materialise
+        self._inv_freq = torch.tensor([[inv_freq[i] for i in head] for head in kept_pairs], dtype=torch.float32,
+                                      device="cpu")
 
     def forward(self, hidden_states, position_ids, attention_mask, cache: Cache | None = None):
         B, T, _ = hidden_states.shape
@@ -158,26 +165,25 @@ class MLAAttention(nn.Module):
         k_rope = k_rope.repeat_interleave(self.n_kv // self.n_rope, dim=1)
         k = torch.cat([k_nope, k_rope], dim=-1)                            # [B, n_kv, S, d_nope + 2r]
         q = torch.cat([q_nope, q_rope], dim=-1)                            # [B, H, T, d_nope + 2r]
-        groups = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling,
+                                              enable_gqa=self.n_heads > self.n_kv)
 
     def _absorbed(self, q_nope, q_rope, c_kv, k_rope, attention_mask):
+        """Attention over the latent as one shared key/value head: SDPA reads c_kv once (a fused pass),
+        with the RoPE scores of every head, plus the mask, as its additive bias."""
         B, H, T, _ = q_nope.shape
         S, G = c_kv.shape[2], H // self.n_kv
         w_uk = self.k_up.weight.view(self.n_kv, self.d_nope, -1)           # [n_kv, d_nope, L_k]
         q_lat = torch.einsum("bngtd,ndl->bngtl", q_nope.reshape(B, self.n_kv, G, T, -1), w_uk)
-        c_k, c_v = c_kv[:, 0, :, self.k_latent], c_kv[:, 0, :, self.v_latent]  # [B, S, L]
-        scores = torch.bmm(q_lat.reshape(B, H * T, -1), c_k.transpose(1, 2)).view(B, H, T, S)
         q_r = q_rope.reshape(B, self.n_rope, (H // self.n_rope) * T, self.d_rope)
-        scores = scores + torch.matmul(q_r, k_rope.transpose(2, 3)).view(B, H, T, S)
-        scores = scores * self.scaling
+        bias = torch.matmul(q_r, k_rope.transpose(2, 3)).view(B, H, T, S) * self.scaling
         if attention_mask is not None:
-            scores = scores + attention_mask
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(c_v.dtype)
-        out_lat = torch.bmm(probs.view(B, H * T, S), c_v).view(B, self.n_kv, G, T, -1)
+            bias = bias + attention_mask
+        out_lat = F.scaled_dot_product_attention(                          # [B, 1, H·T, L_v]
+            q_lat.reshape(B, 1, H * T, -1), c_kv[..., self.k_latent], c_kv[..., self.v_latent],
+            attn_mask=bias.view(B, 1, H * T, S), scale=self.scaling)
         w_uv = self.v_up.weight.view(self.n_kv, self.head_dim, -1)         # [n_kv, d_h, L_v]
-        out = torch.einsum("bngtl,ndl->bngtd", out_lat, w_uv)
+        out = torch.einsum("bngtl,ndl->bngtd", out_lat.view(B, self.n_kv, G, T, -1), w_uv)
         if self.v_up.bias is not None:
             out = out + self.v_up.bias.view(1, self.n_kv, 1, 1, self.head_dim)
         return out.reshape(B, H, T, self.head_dim)
@@ -261,6 +267,15 @@ class MLAModel(MLAPreTrainedModel):
 
 
 class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
+    """The MLA decoder with its LM head.
+
+    `generate()` caches with a LatentCache (c_kv and k_rope only) and decodes through the absorbed
+    path. Its storage follows `config.kv_bits` (16: the model's dtype; 4 or 2: packed integers with
+    the newest `config.kv_residual` tokens kept exact); to choose per call, pass one:
+    `model.generate(ids, cache=LatentCache(model.config, kv_bits=4))` (`past_key_values=` before
+    transformers 5.24). `use_cache=False` recomputes every step without a cache.
+    """
+
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: MLAConfig):
@@ -297,7 +312,8 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: getattr(out, CACHE_NAME)})
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() gets a LatentCache unless the caller passed a cache or turned caching off."""
+        """generate() gets a LatentCache(config) — so config.kv_bits — unless the caller passed a cache
+        or turned caching off."""
         if (model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation is None):
             model_kwargs[CACHE_NAME] = LatentCache(self.config)

@@ -1,0 +1,282 @@
+"""The `mha2mla` command. It only parses arguments and calls the Python API.
+
+User errors (UserError) print one line `error: …` on stderr and exit 2; `--json` prints exactly one
+JSON object on the last line of stdout, progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import UserError
+
+
+def _emit(result: dict, as_json: bool, human) -> None:
+    if as_json:
+        print(json.dumps(result))
+    else:
+        human(result)
+
+
+def _print_kv(r: dict) -> None:
+    print(f"KV cache per token per layer: {r['kv_elements_per_token_per_layer']} values, "
+          f"{r['kv_bytes_per_token']} bytes (source {r['source_kv_bytes_per_token']} bytes), "
+          f"reduction {r['reduction_pct']:.2f} %")
+    if "reduction_vs_original_pct" in r:
+        print(f"reduction against the original (un-expanded) model: {r['reduction_vs_original_pct']:.2f} %")
+    for bits, q in r.get("quantized", {}).items():
+        print(f"  int{bits} latent: {q['kv_bytes_per_token']:.1f} bytes per token per layer, "
+              f"reduction {q['reduction_pct']:.2f} %")
+
+
+def cmd_convert(args) -> None:
+    from .convert import convert_model
+
+    model, _ = convert_model(
+        args.source, args.out, d_kv=args.d_kv, rope_pairs=args.rope_pairs, rope_strategy=args.rope_strategy,
+        svd=args.svd, init=args.init, as_mha=args.as_mha, calib_data=args.calib_data,
+        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, overwrite=args.overwrite)
+    report = dict(model.config.conversion)
+    report["out"] = str(args.out)
+    _emit(report, args.json, lambda r: (print(f"wrote {r['out']}"), _print_kv(r["kv"]),
+                                        print(f"conversion took {r['seconds']:.1f} s")))
+
+
+def cmd_eval_ppl(args) -> None:
+    from .evaluate.perplexity import perplexity_of
+
+    result = perplexity_of(args.model, args.data, seq_len=args.seq_len, windows=args.windows)
+    _emit(result, args.json, lambda r: print(f"perplexity {r['ppl']:.3f} over {r['tokens']} tokens "
+                                             f"({r['windows']} windows of {r['seq_len']})"))
+
+
+def _print_scores(r: dict) -> None:
+    for task, m in r["results"].items():
+        norm = f"  acc_norm {m['acc_norm']:.4f}" if m["acc_norm"] is not None else ""
+        print(f"{task:<14} acc {m['acc']:.4f}{norm}  (n={m['n']})")
+    print(f"average {r['average']:.4f} (acc_norm where reported, else acc)")
+
+
+def cmd_eval_tasks(args) -> None:
+    from .evaluate.tasks import evaluate_tasks
+
+    result = evaluate_tasks(args.model, args.tasks.split(","), limit=args.limit, data_dir=args.data_dir,
+                            batch_size=args.batch_size, dtype=args.dtype)
+    _emit(result, args.json, _print_scores)
+
+
+def cmd_eval_compare(args) -> None:
+    from .evaluate.tasks import compare_models, markdown_table
+
+    result = compare_models(args.models, args.tasks.split(","), limit=args.limit, data_dir=args.data_dir,
+                            batch_size=args.batch_size, dtype=args.dtype)
+    _emit(result, args.json, lambda r: print(markdown_table(r)))
+
+
+def cmd_eval_passkey(args) -> None:
+    from .evaluate.passkey import passkey_accuracy
+
+    result = passkey_accuracy(args.model, _int_list(args.context, "--context"), seeds=args.seeds, dtype=args.dtype)
+    _emit(result, args.json, _print_passkey)
+
+
+def _print_passkey(r: dict) -> None:
+    for context, m in r["results"].items():
+        print(f"{context:>6} tokens: passkey accuracy {m['accuracy']:.2f} (n={m['n']})")
+
+
+def cmd_kv_size(args) -> None:
+    from .evaluate.kv_memory import kv_size_of
+
+    _emit(kv_size_of(args.model, args.source), args.json, _print_kv)
+
+
+def cmd_train(args) -> None:
+    from accelerate import PartialState
+
+    from .train import train
+
+    result = train(args.model, args.out, args.data, args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
+                   grad_accum=args.grad_accum, lr=args.lr, freeze_non_attention=args.freeze_non_attention,
+                   bf16=args.bf16, resume=args.resume, save_every=args.save_every, seed=args.seed)
+    if PartialState().is_main_process:  # under accelerate launch / torchrun every process runs this
+        _emit(result, args.json, lambda r: print(f"trained {r['steps']} steps ({r['tokens']} tokens), "
+                                                 f"final loss {r['final_loss']:.4f}; wrote {r['out']}"))
+
+
+def cmd_plot(args) -> None:
+    from .plot import loss_figure, save_figure
+
+    paths = save_figure(loss_figure(args.runs, smooth=args.smooth), args.out)
+    _emit({"png": str(paths[0]), "svg": str(paths[1])}, args.json, lambda r: print(f"wrote {r['png']} and {r['svg']}"))
+
+
+def cmd_demo(args) -> None:
+    from .demo import demo, print_summary
+
+    report = demo(args.out, steps=args.steps, model=args.model, data=args.data, eval_data=args.eval_data,
+                  fast=args.fast, d_kvs=args.d_kv)
+    _emit(report, args.json, print_summary)
+
+
+def cmd_generate(args) -> None:
+    from .generate import check_kv_bits, generate_text
+    from .sources import load_model
+
+    check_kv_bits(args.kv_bits)
+    model, tokenizer = load_model(args.model)
+    generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, kv_bits=args.kv_bits)
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{option} takes comma-separated integers such as 1024,4096, got '{text}'") from None
+
+
+def cmd_bench_decode(args) -> None:
+    from .evaluate.speed import bench_decode, format_rows
+
+    result = bench_decode(args.model, args.source, _int_list(args.context, "--context"),
+                          _int_list(args.batch, "--batch"), new_tokens=args.new_tokens, kv_bits=args.kv_bits,
+                          chunk=args.chunk, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    _emit(result, args.json, lambda r: print(format_rows(r["rows"])))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mha2mla", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert an MHA/GQA model to MLA")
+    p.add_argument("source", help="HF directory, .gguf file, hub id, or smollm2-135m")
+    p.add_argument("out", help="output directory (written atomically)")
+    p.add_argument("--d-kv", type=int, default=16, help="latent width per KV head (default 16)")
+    p.add_argument("--rope-pairs", type=int, default=None, help="frequency pairs kept per head (default d_h/16)")
+    p.add_argument("--rope-strategy", default="2-norm", choices=["high", "low", "uniform", "2-norm"])
+    p.add_argument("--svd", default="joint", choices=["joint", "split"])
+    p.add_argument("--init", default="activation", choices=["weight", "activation"])
+    p.add_argument("--as-mha", action="store_true", help="expand a GQA source to MHA first")
+    p.add_argument("--calib-data", nargs="+", default=None, help="calibration text files or directories")
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-seq-len", type=int, default=512)
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("kv-size", help="KV-cache bytes per token per layer, against the source")
+    p.add_argument("model")
+    p.add_argument("--source", default=None, help="the model to compare against (default: the MLA model's source)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_kv_size)
+
+    ev = sub.add_parser("eval", help="evaluate a model").add_subparsers(dest="eval_command", required=True)
+    p = ev.add_parser("ppl", help="perplexity on a text file")
+    p.add_argument("model")
+    p.add_argument("--data", default=None, help="text file (default: WikiText-2 raw test)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--windows", type=int, default=None, help="number of windows (default: all)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval_ppl)
+
+    from .evaluate.tasks import TASKS
+
+    def task_options(p) -> None:
+        p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated (default all: {','.join(TASKS)})")
+        p.add_argument("--limit", type=int, default=None, help="first N documents per task (default: all)")
+        p.add_argument("--data-dir", default=None, help="folder holding benchmarks/ (default ../shared/data "
+                       "or $MHA2MLA_DATA_DIR)")
+        p.add_argument("--batch-size", type=int, default=8)
+        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                       help="run in this dtype (default: the model's own; bfloat16 is fast on AMX/AVX512-BF16 CPUs)")
+        p.add_argument("--json", action="store_true")
+
+    p = ev.add_parser("tasks", help="zero-shot lm-eval tasks (ARC, PIQA, HellaSwag, OBQA, WinoGrande, MMLU)")
+    p.add_argument("model")
+    task_options(p)
+    p.set_defaults(func=cmd_eval_tasks)
+
+    p = ev.add_parser("compare", help="the paper's Table 1: task scores and KV reduction, one row per model")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="the source first, then its MLA conversions")
+    task_options(p)
+    p.set_defaults(func=cmd_eval_compare)
+
+    p = ev.add_parser("passkey", help="synthetic passkey retrieval accuracy per context length")
+    p.add_argument("model")
+    p.add_argument("--context", default="1024,2048,4096", help="comma-separated lengths in tokens")
+    p.add_argument("--seeds", type=int, default=5, help="prompts per length (default 5)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval_passkey)
+
+    p = sub.add_parser("train", help="fine-tune a source or MLA model on packed text (accelerate/torchrun ready)")
+    p.add_argument("model", help="HF directory, MLA checkpoint, .gguf file, hub id, or smollm2-135m")
+    p.add_argument("out", help="run directory: loss.jsonl, run.json, checkpoints, final model")
+    p.add_argument("--data", nargs="+", default=None, help="text files or directories (default: Wikipedia shards)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per packed block (default 512)")
+    p.add_argument("--batch-size", type=int, default=4, help="blocks per device per micro-step (default 4)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate of the WSD schedule (default 1e-4)")
+    p.add_argument("--freeze-non-attention", action="store_true", help="train only the attention projections")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
+    p.add_argument("--resume", action="store_true", help="continue the run in OUT from its last checkpoint")
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint every K steps (0: none; default 100)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plot", help="the loss-curve figure of training runs (PNG and SVG)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `mha2mla train`")
+    p.add_argument("--out", required=True, help="figure path; written as .png and .svg")
+    p.add_argument("--smooth", type=float, default=0.0, help="EMA smoothing factor in [0, 1) (default 0: none)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("demo", help="convert, fine-tune and evaluate MHA2MLA/GQA2MLA end to end; figure, report")
+    p.add_argument("--out", default="demo-out", help="output directory (default demo-out; reruns skip finished runs)")
+    p.add_argument("--steps", type=int, default=None, help="fine-tuning steps per run")
+    p.add_argument("--model", default="smollm2-135m", help="GQA or MHA source (default smollm2-135m)")
+    p.add_argument("--data", nargs="+", default=None, help="training/calibration text (default: Wikipedia shards)")
+    p.add_argument("--eval-data", default=None, help="perplexity text file (default: WikiText-2 raw test)")
+    p.add_argument("--d-kv", type=int, nargs="+", default=[8, 16, 32], help="latent widths (default 8 16 32)")
+    p.add_argument("--fast", action="store_true", help="tiny blocks and evaluation windows (for tests)")
+    p.add_argument("--json", action="store_true", help="print report.json's object")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="stream a greedy continuation of a prompt (MLA models use LatentCache)")
+    p.add_argument("model", help="MLA checkpoint, HF directory, .gguf file, hub id, or smollm2-135m")
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--kv-bits", type=int, default=None, help="latent cache storage of an MLA model: 16, 4 or 2 "
+                   "(default: the model's kv_bits)")
+    p.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("decode", help="prefill time, decode tok/s, peak memory and KV bytes: MLA vs source")
+    p.add_argument("model", help="the MLA checkpoint (measured with LatentCache)")
+    p.add_argument("--source", required=True, help="the model it was converted from (measured with its default cache)")
+    p.add_argument("--context", default="1024,4096", help="comma-separated prompt lengths (default 1024,4096)")
+    p.add_argument("--batch", default="1,8", help="comma-separated batch sizes (default 1,8)")
+    p.add_argument("--new-tokens", type=int, default=32, help="timed decode steps (default 32)")
+    p.add_argument("--kv-bits", type=int, default=16, help="latent cache storage: 16, 4 or 2 (default 16)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_decode)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Low-rank factorisation of the position-free keys and the values into a shared latent.
+
+Stack the NoPE rows of W_k over all KV heads with W_v: M = [W_k_nope; W_v] ∈ R^{R×D}. A rank-ℓ
+factorisation M ≈ U·W_down (ℓ = n_kv·d_kv) gives c_kv = W_down x, k_nope = U_k c_kv, v = U_v c_kv.
+
+* weight (the paper's):   M = P Σ Qᵀ,  W_down = Q_ℓᵀ,  U = P_ℓ Σ_ℓ.
+* activation-aware:       with C = E[x xᵀ] = L Lᵀ (Cholesky, damped), factor M L = P Σ Qᵀ and take
+                          W_down = Q_ℓᵀ L⁻¹, U = P_ℓ Σ_ℓ. Then ‖(M − U W_down) L‖_F, i.e. the
+                          error on real activations E‖(M − U W_down) x‖², is minimal for rank ℓ.
+
+* output-aware ("output"): also weight the rows by what their error costs downstream. A key error
+  Δk reaches the scores as q·Δk/√d_h, so the NoPE key rows of group g are weighted by
+  S_k = chol(Σ_{h∈g} E[q_h q_hᵀ]/d_h)ᵀ (query second moments on the NoPE dims, from C); a value
+  error reaches the output through o_proj, so value rows are weighted by S_v = chol(Σ_{h∈g}
+  W_o,hᵀ W_o,h)ᵀ · √β, β balancing the two. Then minimise ‖S (M − U W_down) L‖_F.
+
+`joint` factors M at rank ℓ; `split` factors W_k_nope and W_v separately at ℓ/2 each (their
+latents concatenated). All algebra in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DAMPING = 1e-4
+
+
+def cholesky_factor(cov: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
+    """Lower-triangular L with L Lᵀ = cov + damping·mean(diag)·I."""
+    cov = cov.double()
+    eye = torch.eye(cov.shape[0], dtype=torch.float64)
+    return torch.linalg.cholesky(cov + damping * cov.diagonal().mean() * eye)
+
+
+def factorize(weight: torch.Tensor, rank: int, chol: torch.Tensor | None = None,
+              row_chol: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(up [R, rank], down [rank, D]) with up @ down ≈ weight.
+
+    Activation-aware when `chol` (L) is given; with `row_chol` (S, upper-triangular) the error is
+    also weighted on the output side: minimise ‖S (W − up·down) L‖_F via the SVD of S W L.
+    """
+    w = weight.double()
+    target = w @ chol if chol is not None else w
+    if row_chol is not None:
+        target = row_chol @ target
+    u, s, vh = torch.linalg.svd(target, full_matrices=False)
+    up = u[:, :rank] * s[:rank]
+    if row_chol is not None:
+        up = torch.linalg.solve_triangular(row_chol, up, upper=True)
+    down = vh[:rank]
+    if chol is not None:
+        down = torch.linalg.solve_triangular(chol, down, upper=False, left=False)  # Q_ℓᵀ L⁻¹
+    return up, down
+
+
+def joint_factors(k_nope: torch.Tensor, v: torch.Tensor, rank: int, svd: str, chol: torch.Tensor | None,
+                  k_weight: torch.Tensor | None = None, v_weight: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv_down [rank, D], k_up [R_k, ·], v_up [R_v, ·]) for `joint` or `split` factorisation.
+
+    `k_weight` / `v_weight`: optional upper-triangular output-side weights of the key / value rows.
+    """
+    if svd == "joint":
+        row = torch.block_diag(k_weight, v_weight) if k_weight is not None else None
+        up, down = factorize(torch.cat([k_nope, v]), rank, chol, row)
+        return down, up[: k_nope.shape[0]], up[k_nope.shape[0]:]
+    k_up, k_down = factorize(k_nope, rank // 2, chol, k_weight)
+    v_up, v_down = factorize(v, rank - rank // 2, chol, v_weight)
+    return torch.cat([k_down, v_down]), k_up, v_up
+
+
+def upper_factor(gram: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
+    """Upper-triangular S with SᵀS = gram + damping·mean(diag)·I."""
+    return cholesky_factor(gram, damping).T
+
+
+def key_row_weight(w_q_nope: list[torch.Tensor], b_q_nope: list[torch.Tensor | None], cov: torch.Tensor,
+                   mean: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """S_k for one KV group from its query heads' NoPE rows: E[q qᵀ] = W C Wᵀ + W μ bᵀ + b μᵀ Wᵀ + b bᵀ."""
+    gram = 0
+    for w, b in zip(w_q_nope, b_q_nope):
+        w = w.double()
+        second = w @ cov @ w.T
+        if b is not None:
+            wm, b = w @ mean, b.double()
+            second = second + torch.outer(wm, b) + torch.outer(b, wm) + torch.outer(b, b)
+        gram = gram + second
+    return upper_factor(gram / head_dim)
+
+
+def value_row_weight(w_o_heads: list[torch.Tensor]) -> torch.Tensor:
+    """S_v for one KV group from the o_proj columns of its query heads: Σ_h W_o,hᵀ W_o,h."""
+    return upper_factor(sum(w.double().T @ w.double() for w in w_o_heads))

@@ -1,0 +1,172 @@
+"""Conversion exactness on tiny random models of every supported family, save → load, padding."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_source
+
+from mha2mla.convert import convert_model, max_d_kv
+from mha2mla.expand import expand_to_mha
+
+TOL = 1e-4  # fp32, max abs logit difference
+
+FAMILIES = {
+    "llama-mha": ("llama", dict(n_kv=4)),
+    "llama-gqa": ("llama", dict(n_kv=2)),
+    "mistral": ("mistral", dict(n_kv=2, sliding_window=8)),
+    "qwen2-bias": ("qwen2", dict(n_kv=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    return smollm2[1]
+
+
+def source(name):
+    family, kw = FAMILIES[name]
+    return tiny_source(family, vocab=49152, **kw)
+
+
+def convert_tiny(src, tokenizer, wiki_dir, **kw):
+    return convert_model((src, tokenizer), calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
+                         progress=False, **kw)[0]
+
+
+def ids_for(seed=1, batch=2, length=24):
+    return torch.randint(3, 49152, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def apply_rope_where(x, cos, sin, keep):
+    """RoPE on the dims where keep [heads, d_h] is true; x [B, heads, T, d_h]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+    return torch.where(keep[None, :, None, :], rotated, x)
+
+
+@torch.no_grad()
+def masked_rope_reference(src, ids, kept_pairs):
+    """The source model computed by hand with RoPE only on the kept pairs of each KV head."""
+    cfg = src.config
+    H, n_kv, d_h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    B, T = ids.shape
+    pos = torch.arange(T)[None]
+    h = src.model.embed_tokens(ids)
+    cos, sin = src.model.rotary_emb(h, pos)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
+        mask &= ~torch.ones(T, T, dtype=torch.bool).tril(-cfg.sliding_window)
+    for layer, kept in zip(src.model.layers, kept_pairs):
+        keep = torch.zeros(n_kv, d_h, dtype=torch.bool)
+        for g, pairs in enumerate(kept):
+            keep[g, pairs] = True
+            keep[g, [p + d_h // 2 for p in pairs]] = True
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = a.q_proj(x).view(B, T, H, d_h).transpose(1, 2)
+        k = a.k_proj(x).view(B, T, n_kv, d_h).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, n_kv, d_h).transpose(1, 2)
+        q = apply_rope_where(q, cos, sin, keep.repeat_interleave(H // n_kv, 0))
+        k = apply_rope_where(k, cos, sin, keep)
+        k, v = k.repeat_interleave(H // n_kv, 1), v.repeat_interleave(H // n_kv, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        h = h + a.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return src.lm_head(src.model.norm(h))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_full_rank_all_pairs_equals_source(name, tokenizer, wiki_dir):
+    src = source(name)
+    d_h = src.config.head_dim
+    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=d_h // 2, d_kv=max_d_kv(src.config, d_h // 2))
+    ids = ids_for()
+    diff = (mla(ids).logits - src(ids).logits).abs().max().item()
+    assert diff <= TOL, diff
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("strategy", ["2-norm", "uniform", "high", "low"])
+def test_partial_rope_full_rank_equals_masked_reference(name, strategy, tokenizer, wiki_dir):
+    src = source(name)
+    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=2, rope_strategy=strategy,
+                       d_kv=max_d_kv(src.config, 2))
+    ids = ids_for()
+    ref = masked_rope_reference(src, ids, mla.config.kept_pairs)
+    diff = (mla(ids).logits - ref).abs().max().item()
+    assert diff <= TOL, diff
+    assert (src(ids).logits - ref).abs().max().item() > 10 * TOL  # dropping RoPE pairs did change the model
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+def test_save_load_in_fresh_process_without_package(name, tokenizer, wiki_dir, tmp_path):
+    src = source(name)
+    mla = convert_model((src, tokenizer), tmp_path / "mla", d_kv=8, rope_pairs=2, calib_data=[wiki_dir],
+                        calib_samples=4, calib_seq_len=32, progress=False)[0]
+    ids = ids_for()
+    torch.save(ids, tmp_path / "ids.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["mha2mla"] = None  # the checkpoint must load without the package
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'mla')!r}, trust_remote_code=True)
+        ids = torch.load({str(tmp_path / 'ids.pt')!r})
+        torch.save(model(ids).logits, {str(tmp_path / 'logits.pt')!r})
+        print(type(model).__module__)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "modeling_mla" in run.stdout
+    loaded = torch.load(tmp_path / "logits.pt")
+    assert (loaded - mla(ids).logits).abs().max().item() == 0.0
+    for f in ("configuration_mla.py", "modeling_mla.py", "latent_cache.py", "README.md", "tokenizer.json",
+              "model.safetensors", "generation_config.json"):
+        assert (tmp_path / "mla" / f).exists(), f
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_matches_rows_alone(side, tokenizer, wiki_dir):
+    src = source("qwen2-bias")
+    mla = convert_tiny(src, tokenizer, wiki_dir, d_kv=8, rope_pairs=2)
+    a, b = ids_for(2, 1, 20)[0], ids_for(3, 1, 13)[0]
+    pad = 20 - 13
+    batch = torch.stack([a, F.pad(b, (pad, 0) if side == "left" else (0, pad))])
+    mask = torch.ones_like(batch)
+    if side == "left":
+        mask[1, :pad] = 0
+    else:
+        mask[1, 13:] = 0
+    logits = mla(batch, attention_mask=mask).logits
+    alone_a, alone_b = mla(a[None]).logits[0], mla(b[None]).logits[0]
+    assert (logits[0] - alone_a).abs().max().item() <= TOL
+    real = slice(pad, None) if side == "left" else slice(0, 13)
+    assert (logits[1, real] - alone_b).abs().max().item() <= TOL
+
+
+def test_as_mha_is_exact(tokenizer, wiki_dir):
+    src = source("llama-gqa")
+    mha = expand_to_mha(src)
+    assert mha.config.num_key_value_heads == mha.config.num_attention_heads
+    ids = ids_for()
+    assert (mha(ids).logits - src(ids).logits).abs().max().item() <= TOL
+    d_h = src.config.head_dim
+    mla = convert_tiny(src, tokenizer, wiki_dir, as_mha=True, rope_pairs=d_h // 2, d_kv=d_h)
+    assert mla.config.num_key_value_heads == 4
+    assert (mla(ids).logits - src(ids).logits).abs().max().item() <= TOL
+    kv = mla.config.conversion["kv"]
+    assert kv["reduction_vs_original_pct"] < kv["reduction_pct"]  # MHA caches twice what the GQA source did
+
+
+def test_kv_size_matches_config(tokenizer, wiki_dir):
+    src = source("llama-gqa")
+    mla = convert_tiny(src, tokenizer, wiki_dir, d_kv=4, rope_pairs=2)
+    kv = mla.config.conversion["kv"]
+    assert kv["kv_elements_per_token_per_layer"] == 2 * (2 * 2 + 4)
+    assert kv["reduction_pct"] == pytest.approx(100 * (1 - 16 / (2 * 2 * 16)))
