@@ -1,0 +1,49 @@
+"""Zero-shot quality of the conversion on SmolLM2-135M (prints a table; never asserts).
+
+WikiText-2 raw test, 8 windows × 1024 tokens; rows: the source, partial RoPE only (2-norm, r=4,
+full-rank latent: exactly the masked-RoPE model), and d_kv 8/16/32 × init weight/activation/output,
+with conversion wall time (calibration included).
+
+    python benchmarks/convert_quality.py [--windows 8] [--inits weight,activation,output]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from mha2mla import load_source
+from mha2mla.convert import convert_model, max_d_kv
+from mha2mla.evaluate.perplexity import perplexity
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--d-kv", default="8,16,32")
+    parser.add_argument("--inits", default="weight,activation,output")
+    args = parser.parse_args()
+    print(f"torch threads: {torch.get_num_threads()}")
+    model, tok = load_source("smollm2-135m")
+    rows = [("source", "-", "-", perplexity(model, tok, windows=args.windows, progress=False)["ppl"], 0.0)]
+
+    def run(label, d_kv, init):
+        start = time.perf_counter()
+        mla, _ = convert_model((model, tok), d_kv=d_kv, rope_pairs=4, init=init, progress=False)
+        seconds = time.perf_counter() - start
+        rows.append((label, d_kv, init, perplexity(mla, tok, windows=args.windows, progress=False)["ppl"], seconds))
+        print(f"{label:>22} d_kv={d_kv:<4} {init:<10} ppl {rows[-1][3]:>10.1f}  {seconds:6.1f} s", flush=True)
+
+    run("partial RoPE only", max_d_kv(model.config, 4), "activation")
+    for d_kv in map(int, args.d_kv.split(",")):
+        for init in args.inits.split(","):
+            run("MLA", d_kv, init)
+    print("\n| model | d_kv | init | ppl | conversion s |\n|---|---|---|---|---|")
+    for label, d_kv, init, ppl, seconds in rows:
+        print(f"| {label} | {d_kv} | {init} | {ppl:,.1f} | {seconds:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
