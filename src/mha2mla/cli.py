@@ -32,12 +32,16 @@ def _print_kv(r: dict) -> None:
 
 
 def cmd_convert(args) -> None:
-    from .convert import convert_model
+    from .convert import RECIPES, convert_model
 
+    recipe = RECIPES[args.recipe]
     model, _ = convert_model(
-        args.source, args.out, d_kv=args.d_kv, rope_pairs=args.rope_pairs, rope_strategy=args.rope_strategy,
-        svd=args.svd, init=args.init, as_mha=args.as_mha, calib_data=args.calib_data,
-        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, overwrite=args.overwrite)
+        args.source, args.out, d_kv=args.d_kv, rope_pairs=args.rope_pairs,
+        rope_strategy=args.rope_strategy or recipe["rope_strategy"], svd=args.svd,
+        init=args.init or recipe["init"], sequential=recipe["sequential"], kv_budget=args.kv_budget,
+        kv_reduction=args.kv_reduction, freq_fold=args.freq_fold, kv_balance=args.kv_balance,
+        as_mha=args.as_mha, calib_data=args.calib_data, calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len, overwrite=args.overwrite)
     report = dict(model.config.conversion)
     report["out"] = str(args.out)
     _emit(report, args.json, lambda r: (print(f"wrote {r['out']}"), _print_kv(r["kv"]),
@@ -153,11 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert an MHA/GQA model to MLA")
     p.add_argument("source", help="HF directory, .gguf file, hub id, or smollm2-135m")
     p.add_argument("out", help="output directory (written atomically)")
+    p.add_argument("--recipe", default="default", choices=["default", "paper"],
+                   help="default: the best measured settings; paper: MHA2MLA's 2-norm + weight-only SVD")
     p.add_argument("--d-kv", type=int, default=16, help="latent width per KV head (default 16)")
-    p.add_argument("--rope-pairs", type=int, default=None, help="frequency pairs kept per head (default d_h/16)")
-    p.add_argument("--rope-strategy", default="2-norm", choices=["high", "low", "uniform", "2-norm"])
+    p.add_argument("--rope-pairs", type=int, default=None,
+                   help="frequency pairs kept with RoPE per head (pca: in the shared key); default d_h/16")
+    p.add_argument("--kv-budget", type=int, default=None,
+                   help="cached values per token per layer; the converter picks the RoPE/latent split")
+    p.add_argument("--kv-reduction", type=float, default=None, help="KV-cache reduction in %% (instead of a budget)")
+    p.add_argument("--rope-strategy", default=None, choices=["high", "low", "uniform", "2-norm", "pca"])
+    p.add_argument("--freq-fold", type=int, default=1, help="pca: adjacent frequencies folded into one PCA")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])
-    p.add_argument("--init", default="activation", choices=["weight", "activation"])
+    p.add_argument("--init", default=None, choices=["weight", "activation", "output"])
+    p.add_argument("--kv-balance", type=float, default=1.0,
+                   help="output init: weight of value errors against key errors")
     p.add_argument("--as-mha", action="store_true", help="expand a GQA source to MHA first")
     p.add_argument("--calib-data", nargs="+", default=None, help="calibration text files or directories")
     p.add_argument("--calib-samples", type=int, default=16)

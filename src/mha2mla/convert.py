@@ -1,16 +1,24 @@
 """MHA/GQA source → MLA model: the MHA2MLA conversion, one layer at a time.
 
-For each layer, from calibration statistics:
-  1. choose the kept RoPE pairs per KV head (partial_rope);
-  2. q_proj rows of each head are reordered to [NoPE dims | RoPE dims]; k_rope_proj takes the kept
-     pairs' rows of W_k;
-  3. the NoPE rows of W_k and all of W_v are factored into kv_down, k_up, v_up (lowrank).
-Everything else (embeddings, norms, MLP, o_proj, biases) is copied. With all pairs kept and full
+For each layer, from calibration statistics of its inputs:
+  1. the RoPE part: either the paper's partial RoPE — r kept frequency pairs per KV head
+     (partial_rope), q_proj rows of each head reordered to [NoPE dims | RoPE dims], k_rope_proj the
+     kept rows of W_k — or RoPE concentration (`pca`, rope_pca) — one RoPE key of 2r dims shared by
+     all heads, the position-free key being W_k minus its projection on the kept components;
+  2. the position-free key rows and all of W_v are factored into kv_down, k_up, v_up (lowrank).
+Everything else (embeddings, norms, MLP, o_proj, biases) is copied. With nothing dropped and full
 rank the MLA model computes exactly what the source does.
+
+The cache budget per token and layer is latent_dim + n_rope·2r values. Given only a budget
+(`kv_budget`), `convert_model` tries several splits between RoPE dims and latent rank, scores each
+by its loss on held-in text (the calibration corpus's blocks right after the calibration samples),
+logs them, and keeps the best.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from pathlib import Path
 
@@ -20,25 +28,36 @@ from .calibration import calibrate, source_layer_step
 from .checkpoint import save_mla
 from .data import default_train_text, pack_blocks
 from .errors import UserError
-from .evaluate.kv_memory import kv_report
+from .evaluate.kv_memory import kv_report, source_elements_per_token_per_layer
 from .expand import expand_to_mha
 from .lowrank import cholesky_factor, joint_factors, key_row_weight, value_row_weight
 from .modeling import MLAConfig, MLAForCausalLM
-from .partial_rope import check_rope_pairs, select_pairs, split_dims
+from .partial_rope import STRATEGIES, check_rope_pairs, select_pairs, split_dims
+from .rope_pca import pca_basis, query_rows, second_moment
 from .sources import check_family, load_source
 
 INITS = ("weight", "activation", "output")
+RECIPES = {  # named settings; `paper` is the MHA2MLA paper's exact recipe
+    "paper": dict(rope_strategy="2-norm", init="weight", sequential=False),
+    "default": dict(rope_strategy="2-norm", init="activation", sequential=True),
+}
+HELD_IN_BLOCKS = 4
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def max_d_kv(config, rope_pairs: int) -> int:
-    """The largest d_kv: the rank of [W_k_nope; W_v] is at most min(rows, hidden) (split: per half)."""
+def max_latent(config, rope_pairs: int, strategy: str) -> int:
+    """The rank available to the latent: min(rows of [W_k_nope; W_v], hidden)."""
     d_h, n_kv = head_dim_of(config), config.num_key_value_heads
-    rows = n_kv * (2 * d_h - 2 * rope_pairs)
-    return min(rows, config.hidden_size) // n_kv
+    k_rows = n_kv * d_h - 2 * rope_pairs if strategy == "pca" else n_kv * (d_h - 2 * rope_pairs)
+    return min(k_rows + n_kv * d_h, config.hidden_size)
+
+
+def max_d_kv(config, rope_pairs: int) -> int:
+    """The largest d_kv for per-head partial RoPE (latent = n_kv·d_kv)."""
+    return max_latent(config, rope_pairs, "2-norm") // config.num_key_value_heads
 
 
 def check_output_dir(out, overwrite: bool) -> None:
@@ -47,9 +66,8 @@ def check_output_dir(out, overwrite: bool) -> None:
         raise UserError(f"output {out} exists and is not empty (pass --overwrite or choose another directory)")
 
 
-def mla_config_for(source_config, rope_pairs: int, d_kv: int, svd: str, kept_pairs, inv_freq, scaling,
-                   source_name: str) -> MLAConfig:
-    c = source_config
+def mla_config_for(c, *, rope_pairs: int, latent_dim: int, rope_layout: str, svd: str, kept_pairs, inv_freq,
+                   scaling: float, source_name: str) -> MLAConfig:
     family = c.model_type
     sliding = c.sliding_window if family == "mistral" or getattr(c, "use_sliding_window", False) else None
     return MLAConfig(
@@ -62,15 +80,52 @@ def mla_config_for(source_config, rope_pairs: int, d_kv: int, svd: str, kept_pai
         o_proj_bias=bool(getattr(c, "attention_bias", False)) and family != "qwen2",
         mlp_bias=bool(getattr(c, "mlp_bias", False)), sliding_window=sliding,
         rope_theta=(getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", None)),
-        rope_inv_freq=inv_freq, rope_attention_scaling=scaling, d_kv=d_kv, rope_pairs=rope_pairs,
-        kept_pairs=kept_pairs, svd=svd, source_model=source_name, source_family=family,
-        pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
+        rope_inv_freq=inv_freq, rope_attention_scaling=scaling, d_kv=latent_dim // c.num_key_value_heads,
+        latent_dim=latent_dim, rope_pairs=rope_pairs, kept_pairs=kept_pairs, rope_layout=rope_layout,
+        d_nope=head_dim_of(c) if rope_layout == "shared" else None, svd=svd, source_model=source_name,
+        source_family=family, pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id)
 
 
 def rows(weight: torch.Tensor, heads: int, dims_per_head: list[list[int]]) -> torch.Tensor:
     """Select, head by head, the given dims (rows) of a [heads·d_h, …] projection."""
     per_head = weight.view(heads, -1, *weight.shape[1:])
     return torch.cat([per_head[h, dims] for h, dims in enumerate(dims_per_head)])
+
+
+def rope_per_head(src, dst, kept: list[list[int]]):
+    """Partial RoPE: fill q_proj and k_rope_proj; return the NoPE key (weight, bias, dims per group)."""
+    n_heads, n_kv, d_h = dst.n_heads, dst.n_kv, dst.head_dim
+    groups = n_heads // n_kv
+    nope, rope = (list(x) for x in zip(*(split_dims(k, d_h) for k in kept)))
+    q_dims = [nope[h // groups] + rope[h // groups] for h in range(n_heads)]
+    dst.q_proj.weight.copy_(rows(src.q_proj.weight, n_heads, q_dims))
+    dst.k_rope_proj.weight.copy_(rows(src.k_proj.weight, n_kv, rope))
+    b_k = src.k_proj.bias
+    if b_k is not None:
+        dst.q_proj.bias.copy_(rows(src.q_proj.bias, n_heads, q_dims))
+        dst.k_rope_proj.bias.copy_(rows(b_k, n_kv, rope))
+    return rows(src.k_proj.weight, n_kv, nope), None if b_k is None else rows(b_k, n_kv, nope), nope
+
+
+def rope_shared(src, dst, basis):
+    """RoPE concentration: fill q_proj ([q_h | R q_h] per head) and the shared k_rope_proj."""
+    n_heads, n_kv, d_h = dst.n_heads, dst.n_kv, dst.head_dim
+    groups = n_heads // n_kv
+    w_q = src.q_proj.weight.view(n_heads, d_h, -1)
+    w_k, b_k = src.k_proj.weight.double(), src.k_proj.bias
+    dst.q_proj.weight.copy_(torch.cat([torch.cat([w_q[h].double(), query_rows(basis, w_q[h], h // groups, d_h)])
+                                       for h in range(n_heads)]))
+    dst.k_rope_proj.weight.copy_(torch.cat([basis.r_re @ w_k, basis.r_im @ w_k]))
+    keep_out = torch.eye(n_kv * d_h, dtype=torch.float64) - basis.projection()
+    if b_k is not None:
+        b_q = src.q_proj.bias.view(n_heads, d_h, 1)
+        dst.q_proj.bias.copy_(torch.cat([torch.cat([b_q[h, :, 0].double(),
+                                                    query_rows(basis, b_q[h], h // groups, d_h)[:, 0]])
+                                         for h in range(n_heads)]))
+        dst.k_rope_proj.bias.copy_(torch.cat([basis.r_re @ b_k.double(), basis.r_im @ b_k.double()]))
+        b_k = keep_out @ b_k.double()
+    return keep_out @ w_k, b_k, [list(range(d_h))] * n_kv
 
 
 def output_weights(src_attn, nope, stats, groups: int, d_h: int, kv_balance: float):
@@ -88,100 +143,179 @@ def output_weights(src_attn, nope, stats, groups: int, d_h: int, kv_balance: flo
     return torch.block_diag(*s_k), torch.block_diag(*s_v)
 
 
-def convert_layer(src_attn, dst_attn, kept: list[list[int]], stats, d_kv: int, svd: str, init: str,
-                  kv_balance: float = 1.0) -> None:
-    """Fill one MLA attention layer from the source attention layer."""
-    n_heads, n_kv, d_h = dst_attn.n_heads, dst_attn.n_kv, dst_attn.head_dim
-    groups = n_heads // n_kv
-    nope, rope = zip(*(split_dims(k, d_h) for k in kept))            # per KV head
-    q_dims = [list(nope[h // groups]) + list(rope[h // groups]) for h in range(n_heads)]
-    w_k, w_v = src_attn.k_proj.weight, src_attn.v_proj.weight
-    with torch.no_grad():
-        dst_attn.q_proj.weight.copy_(rows(src_attn.q_proj.weight, n_heads, q_dims))
-        dst_attn.k_rope_proj.weight.copy_(rows(w_k, n_kv, list(rope)))
-        chol = cholesky_factor(stats.cov) if init != "weight" else None
-        k_weight = v_weight = None
-        if init == "output":
-            k_weight, v_weight = output_weights(src_attn, nope, stats, groups, d_h, kv_balance)
-        down, k_up, v_up = joint_factors(rows(w_k, n_kv, list(nope)), w_v, n_kv * d_kv, svd, chol,
-                                         k_weight, v_weight)
-        dst_attn.kv_down.weight.copy_(down)
-        dst_attn.k_up.weight.copy_(k_up)
-        dst_attn.v_up.weight.copy_(v_up)
-        dst_attn.o_proj.weight.copy_(src_attn.o_proj.weight)
-        if src_attn.q_proj.bias is not None:
-            dst_attn.q_proj.bias.copy_(rows(src_attn.q_proj.bias, n_heads, q_dims))
-            dst_attn.k_rope_proj.bias.copy_(rows(src_attn.k_proj.bias, n_kv, list(rope)))
-            dst_attn.k_up.bias.copy_(rows(src_attn.k_proj.bias, n_kv, list(nope)))
-            dst_attn.v_up.bias.copy_(src_attn.v_proj.bias)
-        if src_attn.o_proj.bias is not None:
-            dst_attn.o_proj.bias.copy_(src_attn.o_proj.bias)
+@torch.no_grad()
+def convert_layer(src, dst, rope_choice, stats, latent: int, svd: str, init: str, kv_balance: float,
+                  shared: bool = False) -> None:
+    """Fill one MLA attention layer from the source attention layer (`shared`: RoPE concentration)."""
+    if shared:
+        w_k_nope, b_k_nope, nope = rope_shared(src, dst, rope_choice)
+    else:
+        w_k_nope, b_k_nope, nope = rope_per_head(src, dst, rope_choice)
+    chol = cholesky_factor(stats.cov) if init != "weight" else None
+    k_weight = v_weight = None
+    if init == "output":
+        k_weight, v_weight = output_weights(src, nope, stats, dst.n_heads // dst.n_kv, dst.head_dim, kv_balance)
+    down, k_up, v_up = joint_factors(w_k_nope, src.v_proj.weight, latent, svd, chol, k_weight, v_weight)
+    dst.kv_down.weight.copy_(down)
+    dst.k_up.weight.copy_(k_up)
+    dst.v_up.weight.copy_(v_up)
+    dst.o_proj.weight.copy_(src.o_proj.weight)
+    if b_k_nope is not None:
+        dst.k_up.bias.copy_(b_k_nope)
+        dst.v_up.bias.copy_(src.v_proj.bias)
+    if src.o_proj.bias is not None:
+        dst.o_proj.bias.copy_(src.o_proj.bias)
 
 
 def copy_layer_rest(src_layer, mla_layer) -> None:
     """A decoder layer's norms and MLP: same names in both models."""
-    with torch.no_grad():
-        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
-            getattr(mla_layer, name).load_state_dict(getattr(src_layer, name).state_dict())
+    for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+        getattr(mla_layer, name).load_state_dict(getattr(src_layer, name).state_dict())
 
 
 def copy_outer(source, mla) -> None:
     """Embeddings, final norm and LM head."""
-    with torch.no_grad():
-        mla.model.embed_tokens.load_state_dict(source.model.embed_tokens.state_dict())
-        mla.model.norm.load_state_dict(source.model.norm.state_dict())
-        if not mla.config.tie_word_embeddings:
-            mla.lm_head.load_state_dict(source.lm_head.state_dict())
+    mla.model.embed_tokens.load_state_dict(source.model.embed_tokens.state_dict())
+    mla.model.norm.load_state_dict(source.model.norm.state_dict())
+    if not mla.config.tie_word_embeddings:
+        mla.lm_head.load_state_dict(source.lm_head.state_dict())
 
 
-def validate(config, d_kv: int, rope_pairs: int, rope_strategy: str, svd: str, init: str) -> None:
-    check_rope_pairs(rope_pairs, head_dim_of(config), rope_strategy)
+def validate(config, latent: int, rope_pairs: int, rope_strategy: str, svd: str, init: str) -> None:
+    d_h, n_kv = head_dim_of(config), config.num_key_value_heads
+    if rope_strategy == "pca":
+        if not 1 <= rope_pairs <= n_kv * d_h // 2:
+            raise UserError(f"--rope-pairs {rope_pairs} is out of range for pca: use 1 … {n_kv * d_h // 2}")
+    else:
+        check_rope_pairs(rope_pairs, d_h, rope_strategy)
     if init not in INITS:
-        raise UserError(f"unknown --init {init}: use weight, activation or output")
+        raise UserError(f"unknown --init {init}: use one of {', '.join(INITS)}")
     if svd not in ("joint", "split"):
         raise UserError(f"unknown --svd {svd}: use joint or split")
-    limit = max_d_kv(config, rope_pairs)
-    if not 1 <= d_kv <= limit:
-        raise UserError(f"--d-kv {d_kv} is out of range: use 1 … {limit} (the rank available with "
-                        f"{config.num_key_value_heads} KV heads and r={rope_pairs})")
-    if svd == "split" and (config.num_key_value_heads * d_kv) % 2:
+    limit = max_latent(config, rope_pairs, rope_strategy)
+    if not 1 <= latent <= limit:
+        raise UserError(f"--d-kv {latent / n_kv:g} is out of range: use 1 … {limit // n_kv} (the rank available "
+                        f"with {n_kv} KV heads and r={rope_pairs})")
+    if svd == "split" and latent % 2:
         raise UserError("--svd split needs an even latent width n_kv·d_kv: choose an even --d-kv")
 
 
+def budget_candidates(config, budget: int, strategy: str) -> list[tuple[int, int]]:
+    """(rope_pairs, latent_dim) splits of a cache budget worth trying, the RoPE share from 1/9 to 1/2."""
+    n_kv, d_h = config.num_key_value_heads, head_dim_of(config)
+    source = source_elements_per_token_per_layer(config)
+    n_rope = 1 if strategy == "pca" else n_kv
+    smallest = n_rope * 2 + 1
+    if not smallest <= budget < source:
+        raise UserError(f"--kv-budget {budget} is out of range: use {smallest} … {source - 1} values per token "
+                        f"per layer (the source caches {source})")
+    options = []
+    for share in (1 / 9, 1 / 6, 1 / 4, 1 / 3, 1 / 2):
+        r = max(1, round(budget * share / (2 * n_rope)))
+        if strategy != "pca":
+            r = min(r, d_h // 2)
+        latent = budget - n_rope * 2 * r
+        if 1 <= latent <= max_latent(config, r, strategy) and (r, latent) not in options:
+            options.append((r, latent))
+    if not options:
+        raise UserError(f"--kv-budget {budget} cannot be split into RoPE dims and a latent for this model")
+    return options
+
+
 @torch.no_grad()
-def convert_model(source, out=None, *, d_kv: int = 16, rope_pairs: int | None = None,
+def held_in_loss(model, blocks: torch.Tensor) -> float:
+    """Mean next-token loss on held-in blocks (the budget search's calibration objective)."""
+    losses = [model(b[None], labels=b[None], use_cache=False).loss.item() for b in blocks]
+    return sum(losses) / len(losses)
+
+
+def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | None = None,
                   rope_strategy: str = "2-norm", svd: str = "joint", init: str = "activation",
-                  as_mha: bool = False, calib_data=None, calib_samples: int = 16, calib_seq_len: int = 512,
-                  kv_balance: float = 1.0, sequential: bool = True, overwrite: bool = False, progress: bool = True):
+                  kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 1,
+                  kv_balance: float = 1.0, sequential: bool = True, as_mha: bool = False, calib_data=None,
+                  calib_samples: int = 16, calib_seq_len: int = 512, overwrite: bool = False,
+                  progress: bool = True):
     """Convert `source` (path/alias or a (model, tokenizer) tuple) to MLA → (MLAForCausalLM, tokenizer).
 
-    With `out`, the checkpoint is written there atomically (refusing a non-empty `out` unless
-    `overwrite`). `sequential` calibrates each layer on the outputs of the already converted layers
-    before it (so it compensates their error); False follows the source model's activations.
+    The cache size is set either by `d_kv` (latent per KV head) and `rope_pairs`, or by a budget:
+    `kv_budget` values per token per layer, or `kv_reduction` percent below the source. With `out`
+    the checkpoint is written there atomically (refusing a non-empty `out` unless `overwrite`).
+    `sequential` calibrates each layer on the outputs of the already converted layers before it
+    (so it compensates their error); False follows the source model's activations.
     """
     start = time.perf_counter()
     if out is not None:
         check_output_dir(out, overwrite)
+    if rope_strategy not in STRATEGIES + ("pca",):
+        raise UserError(f"unknown --rope-strategy {rope_strategy}: use one of {', '.join(STRATEGIES + ('pca',))}")
     model, tokenizer = load_source(source) if isinstance(source, (str, Path)) else source
     check_family(model.config)
     original_config = model.config
     if as_mha:
         model = expand_to_mha(model)
     config = model.config
-    rope_pairs = rope_pairs if rope_pairs is not None else max(1, head_dim_of(config) // 16)
-    validate(config, d_kv, rope_pairs, rope_strategy, svd, init)
     if calib_samples < 1:
         raise UserError("--calib-samples must be at least 1")
-    blocks = pack_blocks(tokenizer, calib_data or [default_train_text()], calib_seq_len, calib_samples,
+    if kv_reduction is not None:
+        if not 0 < kv_reduction < 100:
+            raise UserError(f"--kv-reduction {kv_reduction} must be between 0 and 100 (percent)")
+        kv_budget = math.floor(source_elements_per_token_per_layer(config) * (1 - kv_reduction / 100))
+    if kv_budget is not None:
+        candidates = budget_candidates(config, kv_budget, rope_strategy)
+    else:
+        r = rope_pairs if rope_pairs is not None else max(1, head_dim_of(config) // 16)
+        candidates = [(r, config.num_key_value_heads * d_kv)]
+    for r, latent in candidates:
+        validate(config, latent, r, rope_strategy, svd, init)
+    n_blocks = calib_samples + (HELD_IN_BLOCKS if len(candidates) > 1 else 0)
+    blocks = pack_blocks(tokenizer, calib_data or [default_train_text()], calib_seq_len, n_blocks,
                          what="calibration text")
-    rotary = model.model.rotary_emb
+    if len(blocks) < n_blocks and len(candidates) > 1:
+        raise UserError("calibration text too short for the budget search: add text or lower --calib-samples")
+    calib, held_in = blocks[:calib_samples], blocks[calib_samples:]
     source_name = str(source if isinstance(source, (str, Path)) else config._name_or_path)
-    n_kv, d_h = config.num_key_value_heads, head_dim_of(config)
+    settings = dict(rope_strategy=rope_strategy, svd=svd, init=init, freq_fold=freq_fold, kv_balance=kv_balance,
+                    sequential=sequential, source_name=source_name, progress=progress)
+    if len(candidates) == 1:
+        mla, tried = convert_once(model, calib, *candidates[0], **settings), []
+    else:
+        tried, best = [], None
+        for r, latent in candidates:
+            mla_try = convert_once(model, calib, r, latent, **settings)
+            loss = held_in_loss(mla_try, held_in)
+            tried.append({"rope_pairs": r, "latent_dim": latent, "held_in_loss": loss})
+            print(f"  budget {kv_budget}: rope dims {mla_try.config.n_rope_heads * 2 * r}, latent {latent} → "
+                  f"held-in loss {loss:.4f}", file=sys.stderr)
+            if best is None or loss < best[0]:
+                best = (loss, mla_try)
+        mla = best[1]
+    mla.generation_config = model.generation_config
+    mla.config.conversion = {
+        "rope_strategy": rope_strategy, "init": init, "svd": svd, "freq_fold": freq_fold, "as_mha": as_mha,
+        "sequential": sequential, "kv_balance": kv_balance, "calib_samples": len(calib),
+        "calib_seq_len": calib_seq_len, "budget_candidates": tried, "seconds": time.perf_counter() - start,
+        "kv": kv_report(mla.config, dtype_bytes=mla.dtype.itemsize,
+                        original_config=original_config if as_mha else None),
+    }
+    if out is not None:
+        save_mla(mla, tokenizer, Path(out))
+    return mla, tokenizer
+
+
+@torch.no_grad()
+def convert_once(model, blocks, rope_pairs: int, latent: int, *, rope_strategy: str, svd: str, init: str,
+                 freq_fold: int, kv_balance: float, sequential: bool, source_name: str, progress: bool):
+    """One conversion at a fixed (rope_pairs, latent_dim)."""
+    config = model.config
+    n_heads, n_kv, d_h = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
+    shared = rope_strategy == "pca"
+    rotary = model.model.rotary_emb
     inv_freq = rotary.inv_freq.tolist()
-    placeholder = [select_pairs("high", rope_pairs, d_h, n_kv)] * config.num_hidden_layers
-    mla = MLAForCausalLM(mla_config_for(config, rope_pairs, d_kv, svd, placeholder, inv_freq,
-                                        float(getattr(rotary, "attention_scaling", 1.0)), source_name))
-    mla = mla.to(model.dtype).eval()
+    placeholder = [[[i % (d_h // 2) for i in range(rope_pairs)]] * (1 if shared else n_kv)] * config.num_hidden_layers
+    mla = MLAForCausalLM(mla_config_for(
+        config, rope_pairs=rope_pairs, latent_dim=latent, rope_layout="shared" if shared else "per_head", svd=svd,
+        kept_pairs=placeholder, inv_freq=inv_freq, scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+        source_name=source_name)).to(model.dtype).eval()
     kept_all = []
     seq = blocks.shape[1]
     position_ids = torch.arange(seq)[None]
@@ -189,15 +323,20 @@ def convert_model(source, out=None, *, d_kv: int = 16, rope_pairs: int | None = 
     rope = rotary(model.model.embed_tokens.weight[:1][None], position_ids)
 
     def on_layer(idx, stats):
-        kept = select_pairs(rope_strategy, rope_pairs, d_h, n_kv, stats.q_norm, stats.k_norm)
+        src, layer = model.model.layers[idx], mla.model.layers[idx]
+        if shared:
+            e_kk = second_moment(src.self_attn.k_proj.weight, src.self_attn.k_proj.bias, stats.cov, stats.mean)
+            e_qq = second_moment(src.self_attn.q_proj.weight, src.self_attn.q_proj.bias, stats.cov, stats.mean)
+            choice = pca_basis(e_kk, e_qq, n_heads, n_kv, d_h, rope_pairs, freq_fold)
+            kept = [choice.freq_index]
+        else:
+            choice = kept = select_pairs(rope_strategy, rope_pairs, d_h, n_kv, stats.q_norm, stats.k_norm)
         kept_all.append(kept)
-        layer = mla.model.layers[idx]
         layer.self_attn.set_rope_pairs(kept, inv_freq)
-        convert_layer(model.model.layers[idx].self_attn, layer.self_attn, kept, stats, d_kv, svd, init,
-                      kv_balance)
-        copy_layer_rest(model.model.layers[idx], layer)
+        convert_layer(src.self_attn, layer.self_attn, choice, stats, latent, svd, init, kv_balance, shared)
+        copy_layer_rest(src, layer)
         if not sequential:
-            return source_layer_step(model.model.layers[idx], seq, model.dtype, rope)
+            return source_layer_step(src, seq, model.dtype, rope)
         return lambda h: layer(h, position_ids.expand(h.shape[0], -1), causal)
 
     calibrate(model, blocks, on_layer, progress=progress)
@@ -205,13 +344,4 @@ def convert_model(source, out=None, *, d_kv: int = 16, rope_pairs: int | None = 
     copy_outer(model, mla)
     if mla.config.tie_word_embeddings:
         mla.tie_weights()
-    mla.generation_config = model.generation_config
-    mla.config.conversion = {
-        "rope_strategy": rope_strategy, "init": init, "as_mha": as_mha, "calib_samples": len(blocks),
-        "calib_seq_len": calib_seq_len, "seconds": time.perf_counter() - start,
-        "kv": kv_report(mla.config, dtype_bytes=mla.dtype.itemsize,
-                        original_config=original_config if as_mha else None),
-    }
-    if out is not None:
-        save_mla(mla, tokenizer, Path(out))
-    return mla, tokenizer
+    return mla

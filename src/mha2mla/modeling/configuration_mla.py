@@ -3,7 +3,8 @@
 The transformer around attention is the source family's (Llama, Mistral, Qwen2: RMSNorm, SwiGLU MLP,
 optional q/k/v bias, optional sliding window); its fields keep their source names. What MLA adds:
 
-* `d_kv`: latent width per KV head; the cached latent `c_kv` has `n_kv·d_kv` values per token.
+* `d_kv`: latent width per KV head; the cached latent `c_kv` has `latent_dim` = n_kv·d_kv values
+  per token (`latent_dim` may be set directly when a KV budget is not a multiple of n_kv).
 * `rope_pairs` (r): frequency pairs that keep RoPE per rope head; `kept_pairs[layer][rope_head]`
   lists them as indices into `rope_inv_freq` (the source's own frequencies, scaling included).
 * `rope_layout`: "per_head" (one RoPE key of 2r dims per KV head, the paper's partial RoPE) or
@@ -13,7 +14,7 @@ optional q/k/v bias, optional sliding window); its fields keep their source name
 * `kv_bits`: default bit width of the latent cache (16 = unquantized, 4 or 2 = packed integers with
   `kv_residual` recent tokens kept in full precision, groups of `kv_group_size` values).
 
-KV cache per token per layer = n_kv·d_kv + n_rope_heads·2r values.
+KV cache per token per layer = latent_dim + n_rope_heads·2r values.
 """
 
 from transformers import PretrainedConfig
@@ -46,6 +47,7 @@ class MLAConfig(PretrainedConfig):
         rope_inv_freq=None,
         rope_attention_scaling=1.0,
         d_kv=16,
+        latent_dim=None,
         rope_pairs=4,
         kept_pairs=None,
         rope_layout="per_head",
@@ -82,6 +84,7 @@ class MLAConfig(PretrainedConfig):
         self.rope_inv_freq = rope_inv_freq or [rope_theta ** (-2 * i / self.head_dim) for i in range(half)]
         self.rope_attention_scaling = rope_attention_scaling
         self.d_kv = d_kv
+        self.latent_dim = latent_dim or num_key_value_heads * d_kv
         self.rope_pairs = rope_pairs
         self.rope_layout = rope_layout
         n_rope_heads = num_key_value_heads if rope_layout == "per_head" else 1
@@ -104,7 +107,7 @@ class MLAConfig(PretrainedConfig):
 
     @property
     def kv_latent_dim(self) -> int:
-        return self.num_key_value_heads * self.d_kv
+        return self.latent_dim
 
     @property
     def kv_elements_per_token_per_layer(self) -> int:
