@@ -84,4 +84,5 @@ def smollm2_mla(smollm2, wiki_dir):
     """SmolLM2-135M converted once per session: d_kv=16, r=4, 2-norm, activation init → (model, tokenizer)."""
     from mha2mla.convert import convert_model
 
-    return convert_model(smollm2, d_kv=16, rope_pairs=4, init="activation", calib_data=[wiki_dir], progress=False)
+    return convert_model(smollm2, d_kv=16, rope_pairs=4, rope_strategy="2-norm", init="activation",
+                         calib_data=[wiki_dir], progress=False)

@@ -35,6 +35,7 @@ def source(name):
 
 
 def convert_tiny(src, tokenizer, wiki_dir, **kw):
+    kw.setdefault("rope_strategy", "2-norm")
     return convert_model((src, tokenizer), calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
                          progress=False, **kw)[0]
 
@@ -107,7 +108,7 @@ def test_partial_rope_full_rank_equals_masked_reference(name, strategy, tokenize
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
 def test_save_load_in_fresh_process_without_package(name, tokenizer, wiki_dir, tmp_path):
     src = source(name)
-    mla = convert_model((src, tokenizer), tmp_path / "mla", d_kv=8, rope_pairs=2, calib_data=[wiki_dir],
+    mla = convert_model((src, tokenizer), tmp_path / "mla", d_kv=8, calib_data=[wiki_dir],
                         calib_samples=4, calib_seq_len=32, progress=False)[0]
     ids = ids_for()
     torch.save(ids, tmp_path / "ids.pt")

@@ -43,7 +43,7 @@ def assert_user_error(run, out=None, needle=""):
 
 def test_convert_json_and_kv_size(tiny_dir, wiki_dir, tmp_path):
     out = tmp_path / "mla"
-    run = cli("convert", tiny_dir, out, "--d-kv", 4, "--rope-pairs", 2, "--calib-samples", 2,
+    run = cli("convert", tiny_dir, out, "--recipe", "paper", "--d-kv", 4, "--rope-pairs", 2, "--calib-samples", 2,
               "--calib-seq-len", 32, "--calib-data", wiki_dir, "--json")
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
@@ -75,7 +75,7 @@ def test_eval_ppl_json(tiny_dir, tmp_path):
 ])
 def test_bad_options(tiny_dir, wiki_dir, tmp_path, args, needle):
     out = tmp_path / "out"
-    assert_user_error(cli("convert", tiny_dir, out, "--calib-data", wiki_dir, *args), out, needle)
+    assert_user_error(cli("convert", tiny_dir, out, "--recipe", "paper", "--calib-data", wiki_dir, *args), out, needle)
 
 
 def test_missing_path(tmp_path):

@@ -290,20 +290,13 @@ def test_quantized_decoding_stays_close():
 
 # --- integration: SmolLM2-135M converted at d_kv=16 --------------------------------------------------
 
-@pytest.fixture(scope="session")
-def smollm2_mla_d16(smollm2, wiki_dir):
-    from mha2mla.convert import convert_model
-
-    return convert_model(smollm2, out=None, d_kv=16, calib_data=[wiki_dir], progress=False)
-
-
 PROMPT = "The history of the Roman Empire begins"
 
 
 @pytest.mark.integration
 @torch.no_grad()
-def test_smollm2_mla_greedy_same_with_and_without_cache(smollm2_mla_d16):
-    model, tokenizer = smollm2_mla_d16
+def test_smollm2_mla_greedy_same_with_and_without_cache(smollm2_mla):
+    model, tokenizer = smollm2_mla
     ids = tokenizer(PROMPT, return_tensors="pt")
     kwargs = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     cached = model.generate(**ids, return_dict_in_generate=True, **kwargs)
@@ -314,11 +307,11 @@ def test_smollm2_mla_greedy_same_with_and_without_cache(smollm2_mla_d16):
 
 @pytest.mark.integration
 @torch.no_grad()
-def test_smollm2_mla_int4_cache_keeps_next_token_choice(smollm2_mla_d16, wikitext_test):
+def test_smollm2_mla_int4_cache_keeps_next_token_choice(smollm2_mla, wikitext_test):
     """Teacher-forced over 160 tokens of WikiText (first 96 in the prompt; residual window 16): the
     greedy choice of the int4 cache agreed with the unquantized one at 89-91 % of the 64 positions
     (int2: 39 %)."""
-    model, tokenizer = smollm2_mla_d16
+    model, tokenizer = smollm2_mla
     text = wikitext_test.read_text(encoding="utf-8")[:4000]
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :160]
     reference = model(ids).logits[:, 96:]

@@ -11,7 +11,8 @@ from mha2mla.evaluate.perplexity import perplexity
 def test_activation_init_beats_weight_init(smollm2, smollm2_mla, wiki_dir, wikitext_test):
     model, tok = smollm2
     start = time.perf_counter()
-    weight, _ = convert_model(smollm2, d_kv=16, rope_pairs=4, init="weight", calib_data=[wiki_dir], progress=False)
+    weight, _ = convert_model(smollm2, d_kv=16, rope_pairs=4, rope_strategy="2-norm", init="weight",
+                              calib_data=[wiki_dir], progress=False)
     weight_seconds = time.perf_counter() - start
     activation, _ = smollm2_mla
     ppl = {name: perplexity(m, tok, wikitext_test, seq_len=256, windows=4, progress=False)["ppl"]

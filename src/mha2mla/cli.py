@@ -39,7 +39,7 @@ def cmd_convert(args) -> None:
         args.source, args.out, d_kv=args.d_kv, rope_pairs=args.rope_pairs,
         rope_strategy=args.rope_strategy or recipe["rope_strategy"], svd=args.svd,
         init=args.init or recipe["init"], sequential=recipe["sequential"], kv_budget=args.kv_budget,
-        kv_reduction=args.kv_reduction, freq_fold=args.freq_fold, kv_balance=args.kv_balance,
+        kv_reduction=args.kv_reduction, freq_fold=args.freq_fold or recipe["freq_fold"], kv_balance=args.kv_balance,
         as_mha=args.as_mha, calib_data=args.calib_data, calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len, overwrite=args.overwrite)
     report = dict(model.config.conversion)
@@ -158,15 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="HF directory, .gguf file, hub id, or smollm2-135m")
     p.add_argument("out", help="output directory (written atomically)")
     p.add_argument("--recipe", default="default", choices=["default", "paper"],
-                   help="default: the best measured settings; paper: MHA2MLA's 2-norm + weight-only SVD")
-    p.add_argument("--d-kv", type=int, default=16, help="latent width per KV head (default 16)")
+                   help="default: RoPE concentration (pca, fold 2) + activation-aware SVD, the best measured; "
+                        "paper: MHA2MLA's 2-norm partial RoPE + weight-only SVD")
+    p.add_argument("--d-kv", type=int, default=16,
+                   help="latent width per KV head (default 16; with pca and no --rope-pairs: the paper's cache "
+                        "size at this d_kv, n_kv·(d_kv + 2·d_h/16))")
     p.add_argument("--rope-pairs", type=int, default=None,
                    help="frequency pairs kept with RoPE per head (pca: in the shared key); default d_h/16")
     p.add_argument("--kv-budget", type=int, default=None,
                    help="cached values per token per layer; the converter picks the RoPE/latent split")
     p.add_argument("--kv-reduction", type=float, default=None, help="KV-cache reduction in %% (instead of a budget)")
     p.add_argument("--rope-strategy", default=None, choices=["high", "low", "uniform", "2-norm", "pca"])
-    p.add_argument("--freq-fold", type=int, default=1, help="pca: adjacent frequencies folded into one PCA")
+    p.add_argument("--freq-fold", type=int, default=None, help="pca: adjacent frequencies folded into one PCA")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])
     p.add_argument("--init", default=None, choices=["weight", "activation", "output"])
     p.add_argument("--kv-balance", type=float, default=1.0,

@@ -37,10 +37,14 @@ from .rope_pca import pca_basis, query_rows, second_moment
 from .sources import check_family, load_source
 
 INITS = ("weight", "activation", "output")
-RECIPES = {  # named settings; `paper` is the MHA2MLA paper's exact recipe
-    "paper": dict(rope_strategy="2-norm", init="weight", sequential=False),
-    "default": dict(rope_strategy="2-norm", init="activation", sequential=True),
+# Named settings. `default` is the best measured on SmolLM2-135M (benchmarks/kv_budget.py, README):
+# RoPE concentration with folding 2 and activation-aware SVD, about a third of the cache for RoPE.
+# `paper` is the MHA2MLA paper's recipe: per-head 2-norm partial RoPE, weight-only joint SVD.
+RECIPES = {
+    "default": dict(rope_strategy="pca", freq_fold=2, init="activation", sequential=True),
+    "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False),
 }
+ROPE_SHARE = 1 / 3  # default share of a pca budget spent on the shared RoPE key (measured: 24 of 72 best)
 HELD_IN_BLOCKS = 4
 
 
@@ -230,15 +234,17 @@ def held_in_loss(model, blocks: torch.Tensor) -> float:
 
 
 def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | None = None,
-                  rope_strategy: str = "2-norm", svd: str = "joint", init: str = "activation",
-                  kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 1,
+                  rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
+                  kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 2,
                   kv_balance: float = 1.0, sequential: bool = True, as_mha: bool = False, calib_data=None,
                   calib_samples: int = 16, calib_seq_len: int = 512, overwrite: bool = False,
                   progress: bool = True):
     """Convert `source` (path/alias or a (model, tokenizer) tuple) to MLA → (MLAForCausalLM, tokenizer).
 
     The cache size is set either by `d_kv` (latent per KV head) and `rope_pairs`, or by a budget:
-    `kv_budget` values per token per layer, or `kv_reduction` percent below the source. With `out`
+    `kv_budget` values per token per layer, or `kv_reduction` percent below the source (the split
+    between RoPE dims and latent is then searched). With `pca` and no `rope_pairs`, `d_kv` means
+    the paper's cache size n_kv·(d_kv + 2·d_h/16), split with a ROPE_SHARE of it for RoPE. With `out`
     the checkpoint is written there atomically (refusing a non-empty `out` unless `overwrite`).
     `sequential` calibrates each layer on the outputs of the already converted layers before it
     (so it compensates their error); False follows the source model's activations.
@@ -262,6 +268,10 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
         kv_budget = math.floor(source_elements_per_token_per_layer(config) * (1 - kv_reduction / 100))
     if kv_budget is not None:
         candidates = budget_candidates(config, kv_budget, rope_strategy)
+    elif rope_strategy == "pca" and rope_pairs is None:
+        budget = config.num_key_value_heads * (d_kv + 2 * max(1, head_dim_of(config) // 16))
+        pairs = max(1, round(budget * ROPE_SHARE / 2))
+        candidates = [(pairs, budget - 2 * pairs)]
     else:
         r = rope_pairs if rope_pairs is not None else max(1, head_dim_of(config) // 16)
         candidates = [(r, config.num_key_value_heads * d_kv)]
@@ -327,7 +337,7 @@ def convert_once(model, blocks, rope_pairs: int, latent: int, *, rope_strategy: 
         if shared:
             e_kk = second_moment(src.self_attn.k_proj.weight, src.self_attn.k_proj.bias, stats.cov, stats.mean)
             e_qq = second_moment(src.self_attn.q_proj.weight, src.self_attn.q_proj.bias, stats.cov, stats.mean)
-            choice = pca_basis(e_kk, e_qq, n_heads, n_kv, d_h, rope_pairs, freq_fold)
+            choice = pca_basis(e_kk, e_qq, n_heads, n_kv, d_h, rope_pairs, freq_fold, inv_freq, seq)
             kept = [choice.freq_index]
         else:
             choice = kept = select_pairs(rope_strategy, rope_pairs, d_h, n_kv, stats.q_norm, stats.k_norm)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from .errors import UserError
 
@@ -65,6 +66,7 @@ def loss_figure(run_dirs, out=None, smooth: float = 0.0):
             ax.plot(steps, ema(losses, smooth), label=variant, color=COLORS.get(variant), linewidth=1.6)
         ax.set_title(name)
         ax.set_xlabel("#Step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("Loss")
         ax.grid(alpha=0.3)
         ax.legend()

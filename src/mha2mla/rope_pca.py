@@ -12,8 +12,13 @@ Frequency folding (F > 1) treats F adjacent frequencies as one: the PCA runs ove
 vectors, concentrating further, and a kept component rotates with its group's middle frequency —
 an approximation (exact for F = 1).
 
-Components are ranked by Σ_h RMS(q'_{h,c}) · RMS(k'_c), the q·k energy they carry, computed from the
-calibration covariance C (q and k are linear in x: E[q qᵀ] = W C Wᵀ + bias terms).
+Components are ranked by the score change that dropping their RoPE would cause: a pair rotated by
+θ·Δ between positions s and t = s + Δ contributes q'ᵀ R(θΔ) k', and without RoPE q'ᵀ k'; with
+|R(θΔ) − I|² = 2(1 − cos θΔ), the expected change scales as
+    w(θ) · Σ_h RMS(q'_{h,c}) · RMS(k'_c),   w(θ) = sqrt(mean_{Δ=1…L} 2(1 − cos θΔ)),
+the q·k energy of the component weighted by how much its frequency actually rotates over the
+calibration length L (a slow frequency barely rotates, so it loses little by becoming position-free).
+Energies come from the calibration covariance C (q, k linear in x: E[q qᵀ] = W C Wᵀ + bias terms).
 """
 
 from __future__ import annotations
@@ -52,8 +57,14 @@ def group_dims(group: list[int], heads: list[int], head_dim: int) -> tuple[list[
     return re, [d + half for d in re]
 
 
+def rotation_weight(theta: float, max_distance: int) -> float:
+    """w(θ) = sqrt(mean over Δ = 1 … L of 2(1 − cos θΔ))."""
+    deltas = torch.arange(1, max_distance + 1, dtype=torch.float64)
+    return float((2 * (1 - torch.cos(theta * deltas))).mean().sqrt())
+
+
 def pca_basis(e_kk: torch.Tensor, e_qq: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,
-              n_pairs: int, fold: int) -> RopeBasis:
+              n_pairs: int, fold: int, inv_freq: list[float], max_distance: int) -> RopeBasis:
     """Kept RoPE components of one layer from key and query second moments (pre-RoPE)."""
     half = head_dim // 2
     kv_heads, groups = list(range(n_kv)), n_heads // n_kv
@@ -63,6 +74,7 @@ def pca_basis(e_kk: torch.Tensor, e_qq: torch.Tensor, n_heads: int, n_kv: int, h
         re, im = group_dims(group, kv_heads, head_dim)
         sigma = e_kk[re][:, re] + e_kk[im][:, im]
         eigvals, eigvecs = torch.linalg.eigh(sigma)
+        weight = rotation_weight(inv_freq[group[len(group) // 2]], max_distance)
         for c in range(len(re)):
             u = eigvecs[:, c].view(n_kv, len(group))
             q_energy = 0.0
@@ -71,7 +83,7 @@ def pca_basis(e_kk: torch.Tensor, e_qq: torch.Tensor, n_heads: int, n_kv: int, h
                 s_q = e_qq[q_re][:, q_re] + e_qq[q_im][:, q_im]
                 ug = u[h // groups]
                 q_energy += float(ug @ s_q @ ug).__abs__() ** 0.5
-            candidates.append((q_energy * float(eigvals[c].clamp_min(0)) ** 0.5, group, u))
+            candidates.append((weight * q_energy * float(eigvals[c].clamp_min(0)) ** 0.5, group, u))
     candidates.sort(key=lambda t: -t[0])
     kept = candidates[:n_pairs]
     r_re = torch.zeros(n_pairs, n_kv * head_dim, dtype=torch.float64)

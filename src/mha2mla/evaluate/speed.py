@@ -2,13 +2,14 @@
 with LatentCache, at given context lengths and batch sizes.
 
 One measurement is one model at one (context, batch), run in a fresh subprocess, because a process's
-peak memory (ru_maxrss) never falls:
+peak memory never falls:
   1. prefill: `batch` rows of `context` random tokens go through the model in chunks of `chunk`
      tokens, asking for the last position's logits only (logits_to_keep=1), so prefill memory is
      the cache plus one chunk's activations, not [batch, context, vocab] logits;
   2. decode: one untimed warm-up step, then `new_tokens` timed greedy steps;
      decode tok/s = batch / median step time (the median shrugs off stalls caused by other jobs);
-  3. peak_mb = the process's peak resident memory (weights, cache, transients; MiB);
+  3. peak_mb = the process's peak resident memory from after loading to the end (weights, cache,
+     transients; MiB; the load's own transients excluded by resetting the count after it);
      kv_bytes = the bytes the cache holds after the last step.
 The MLA model's KV bytes per token and layer are n_kv·(d_kv + 2r)·bytes (per-head RoPE layout), the
 source's 2·n_kv·d_h·bytes; the saved memory shows in peak_mb.
@@ -16,6 +17,7 @@ source's 2·n_kv·d_h·bytes; the saved memory shows in peak_mb.
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import statistics
@@ -39,9 +41,26 @@ def cache_bytes(cache) -> int:
                for t in (layer.keys, layer.values))
 
 
+def reset_peak() -> None:
+    """Restart this process's peak-RSS count (Linux: 5 → /proc/self/clear_refs); elsewhere a no-op."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def peak_mb() -> float:
-    """This process's peak resident memory so far, in MiB (ru_maxrss is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident memory of this process since `reset_peak`, in MiB: VmHWM of /proc/self/status.
+
+    Not ru_maxrss: on Linux a child inherits its parent's maxrss through fork and exec, so a small
+    worker would report the peak of the process that started it.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # macOS: bytes
 
 
 def _step(model, ids, cache):
@@ -57,19 +76,21 @@ def measure(model: str, context: int, batch: int, new_tokens: int = 32, kv_bits:
     """Prefill and decode one model in this process: {prefill_s, decode_tok_s, peak_mb, kv_bytes}."""
     from ..sources import load_model
 
-    model, _ = load_model(model)
+    net, _ = load_model(model)
+    gc.collect()
+    reset_peak()
     torch.manual_seed(seed)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, context))
-    cache = LatentCache(model.config, kv_bits=kv_bits) if is_mla(model) else None
+    prompt = torch.randint(0, net.config.vocab_size, (batch, context))
+    cache = LatentCache(net.config, kv_bits=kv_bits) if is_mla(net) else None
     start = time.perf_counter()
     for i in range(0, context, chunk):
-        token, cache = _step(model, prompt[:, i:i + chunk], cache)
+        token, cache = _step(net, prompt[:, i:i + chunk], cache)
     prefill_s = time.perf_counter() - start
-    token, cache = _step(model, token, cache)
+    token, cache = _step(net, token, cache)
     step_s = []
     for _ in range(new_tokens):
         start = time.perf_counter()
-        token, cache = _step(model, token, cache)
+        token, cache = _step(net, token, cache)
         step_s.append(time.perf_counter() - start)
     return {"prefill_s": prefill_s, "decode_tok_s": batch / statistics.median(step_s), "peak_mb": peak_mb(),
             "kv_bytes": cache_bytes(cache)}

@@ -70,9 +70,9 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     q = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
     *lead, n_bytes = packed.shape
     groups = scale.shape[-1]
-    q = q.reshape(*lead, groups, n_bytes * per_byte // groups).float()
-    x = q * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
-    return x.reshape(*lead, n_bytes * per_byte).to(dtype)
+    q = q.view(*lead, groups, n_bytes * per_byte // groups).float()
+    x = torch.addcmul(zero.float().unsqueeze(-1), q, scale.float().unsqueeze(-1))   # one pass: zero + q·scale
+    return x.view(*lead, n_bytes * per_byte).to(dtype)
 
 
 class BatchOpsMixin:
