@@ -1,7 +1,8 @@
 """Zero-shot quality of the conversion on SmolLM2-135M (prints a table; never asserts).
 
 WikiText-2 raw test, 8 windows × 1024 tokens; rows: the source, partial RoPE only (2-norm, r=4,
-full-rank latent: exactly the masked-RoPE model), and d_kv 8/16/32 × init weight/activation/output,
+full-rank latent: exactly the masked-RoPE model), d_kv 8/16/32 × init weight/activation (2-norm,
+r=4: the paper's partial RoPE), and the default recipe (RoPE concentration) at the same cache sizes,
 with conversion wall time (calibration included).
 
     python benchmarks/convert_quality.py [--windows 8] [--inits weight,activation,output]
@@ -23,15 +24,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--d-kv", default="8,16,32")
-    parser.add_argument("--inits", default="weight,activation,output")
+    parser.add_argument("--inits", default="weight,activation")
     args = parser.parse_args()
     print(f"torch threads: {torch.get_num_threads()}")
     model, tok = load_source("smollm2-135m")
     rows = [("source", "-", "-", perplexity(model, tok, windows=args.windows, progress=False)["ppl"], 0.0)]
 
-    def run(label, d_kv, init):
+    def run(label, d_kv, init, **kw):
         start = time.perf_counter()
-        mla, _ = convert_model((model, tok), d_kv=d_kv, rope_pairs=4, init=init, progress=False)
+        kw = kw or dict(rope_pairs=4, rope_strategy="2-norm")
+        mla, _ = convert_model((model, tok), d_kv=d_kv, init=init, progress=False, **kw)
         seconds = time.perf_counter() - start
         rows.append((label, d_kv, init, perplexity(mla, tok, windows=args.windows, progress=False)["ppl"], seconds))
         print(f"{label:>22} d_kv={d_kv:<4} {init:<10} ppl {rows[-1][3]:>10.1f}  {seconds:6.1f} s", flush=True)
@@ -39,7 +41,8 @@ def main() -> None:
     run("partial RoPE only", max_d_kv(model.config, 4), "activation")
     for d_kv in map(int, args.d_kv.split(",")):
         for init in args.inits.split(","):
-            run("MLA", d_kv, init)
+            run("MLA 2-norm", d_kv, init)
+        run("MLA default recipe", d_kv, "activation", rope_strategy="pca", freq_fold=2)
     print("\n| model | d_kv | init | ppl | conversion s |\n|---|---|---|---|---|")
     for label, d_kv, init, ppl, seconds in rows:
         print(f"| {label} | {d_kv} | {init} | {ppl:,.1f} | {seconds:.1f} |")
