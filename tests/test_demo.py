@@ -28,7 +28,7 @@ def test_demo_writes_figure_report_and_sample(demo_run, capsys):
     assert printed == report
     runs = report["runs"]
     assert [(r["panel"], r["variant"]) for r in runs] == [
-        (p, v) for p in ("MHA2MLA", "GQA2MLA") for v in ("base", "d_kv=8", "d_kv=16", "d_kv=32")]
+        (p, v) for p in ("MHA2MLA", "GQA2MLA") for v in ("base", "d_kv=8", "d_kv=16", "d_kv=32", "paper d_kv=16")]
     for r in runs:
         assert set(r) >= {"panel", "variant", "kv_bytes_per_token", "reduction_pct", "ppl_before", "ppl_after",
                           "final_loss", "run_dir"}

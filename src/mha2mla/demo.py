@@ -2,7 +2,9 @@
 
 Default: SmolLM2-135M (GQA: 9 query heads, 3 KV heads) is the GQA2MLA source and its exact MHA
 expansion (9 KV heads, `--as-mha`) the MHA2MLA source. Each source is converted to MLA at d_kv 8, 16
-and 32; those six models and the two un-converted base models are fine-tuned with the same recipe
+and 32 with the default recipe, and at the middle cache size once more with the paper's recipe
+(`--recipe paper`), so the figure shows both curves at the same budget; those eight models and the
+two un-converted base models are fine-tuned with the same recipe
 (mha2mla.train), for the same steps, on the same packed Wikipedia text in the same order. Held-out
 perplexity (WikiText-2 raw test, the same few windows for every model) is measured before and after
 fine-tuning. The defaults are sized to finish in about 12–15 minutes on 2 CPU cores.
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .convert import convert_model
+from .convert import RECIPES, convert_model
 from .data import default_eval_text, default_train_text
 from .errors import UserError
 from .evaluate.kv_memory import kv_report
@@ -63,21 +65,26 @@ class Run:
     panel: str          # "MHA2MLA" or "GQA2MLA"
     d_kv: int | None    # None: the base model
     as_mha: bool        # the panel's source is the MHA expansion of a GQA model
+    recipe: str = "default"  # a conversion recipe of mha2mla.convert.RECIPES
 
     @property
     def variant(self) -> str:
-        return "base" if self.d_kv is None else f"d_kv={self.d_kv}"
+        if self.d_kv is None:
+            return "base"
+        return f"d_kv={self.d_kv}" if self.recipe == "default" else f"{self.recipe} d_kv={self.d_kv}"
 
     @property
     def name(self) -> str:
-        return f"{self.panel.lower()}-{self.variant.replace('=', '')}"
+        return f"{self.panel.lower()}-{self.variant.replace('=', '').replace(' ', '-')}"
 
 
 def plan(config, d_kvs) -> list[Run]:
     """The runs: a GQA source gives both panels (itself and its MHA expansion), an MHA source one."""
     gqa = config.num_key_value_heads < config.num_attention_heads
     panels = [("MHA2MLA", gqa), ("GQA2MLA", False)] if gqa else [("MHA2MLA", False)]
-    return [Run(panel, d_kv, as_mha) for panel, as_mha in panels for d_kv in (None, *d_kvs)]
+    middle = sorted(d_kvs)[len(d_kvs) // 2]
+    return [run for panel, as_mha in panels for run in
+            [Run(panel, d_kv, as_mha) for d_kv in (None, *d_kvs)] + [Run(panel, middle, as_mha, "paper")]]
 
 
 # ---- the entry point ----------------------------------------------------------------------------
@@ -141,7 +148,8 @@ def build_model(run: Run, source, tokenizer, data, settings: Settings):
     if run.d_kv is None:
         return expand_to_mha(source) if run.as_mha else copy.deepcopy(source)
     mla, _ = convert_model((source, tokenizer), d_kv=run.d_kv, as_mha=run.as_mha, calib_data=data,
-                           calib_samples=settings.calib_samples, calib_seq_len=settings.calib_seq_len)
+                           calib_samples=settings.calib_samples, calib_seq_len=settings.calib_seq_len,
+                           **RECIPES[run.recipe])
     return mla
 
 

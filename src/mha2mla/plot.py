@@ -3,7 +3,8 @@
 Each run folder (written by `mha2mla.train`) holds run.json (panel, variant) and loss.jsonl (one
 line per step). Runs of an MHA source go to the "MHA2MLA" panel, runs of a GQA source to
 "GQA2MLA"; within a panel every variant is one line: pink d_kv=8, purple d_kv=16, dark purple
-d_kv=32, black the un-converted base model. Optional smoothing is an exponential moving average,
+d_kv=32, black the un-converted base model; a variant of another recipe ("paper d_kv=16") is dashed
+in its d_kv's colour. Optional smoothing is an exponential moving average,
 y_t = α·y_{t−1} + (1 − α)·x_t, bias-corrected by 1 − α^t so the curve starts at the first loss.
 """
 
@@ -63,7 +64,9 @@ def loss_figure(run_dirs, out=None, smooth: float = 0.0):
     FigureCanvasAgg(fig)  # drawn by Agg, outside pyplot: no global figure state, no display needed
     for ax, name in zip(fig.subplots(1, len(names), squeeze=False)[0], names):
         for variant, steps, losses in sorted(panels[name], key=lambda r: _variant_key(r[0])):
-            ax.plot(steps, ema(losses, smooth), label=variant, color=COLORS.get(variant), linewidth=1.6)
+            recipe, _, d_kv = variant.rpartition(" ")
+            ax.plot(steps, ema(losses, smooth), label=variant, color=COLORS.get(d_kv), linewidth=1.6,
+                    linestyle="--" if recipe else "-")
         ax.set_title(name)
         ax.set_xlabel("#Step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
