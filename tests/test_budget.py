@@ -84,3 +84,15 @@ def test_kv_budget_cli_and_errors(smollm2, wiki_dir, tmp_path):
         assert run.returncode == 2 and "Traceback" not in run.stderr
         assert [line for line in run.stderr.splitlines() if line.startswith("error: ")][0].count("--kv-budget")
         assert not bad.exists()
+
+
+def test_kv_balance_auto_is_chosen_on_held_in_text(tokenizer, wiki_dir):
+    src = tiny_source("llama", vocab=49152, n_kv=2)
+    mla, _ = convert_model((src, tokenizer), d_kv=4, rope_pairs=2, rope_strategy="2-norm", kv_balance="auto",
+                           calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32, progress=False)
+    tried = mla.config.conversion["budget_candidates"]
+    assert sorted(t["kv_balance"] for t in tried) == [0.25, 1.0, 4.0]
+    best = min(tried, key=lambda t: t["held_in_loss"])
+    assert mla.config.conversion["kv_balance"] == best["kv_balance"]
+    losses = {t["kv_balance"]: t["held_in_loss"] for t in tried}
+    assert len(set(losses.values())) == 3  # the balance really changes the factorisation

@@ -172,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--freq-fold", type=int, default=None, help="pca: adjacent frequencies folded into one PCA")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])
     p.add_argument("--init", default=None, choices=["weight", "activation", "output"])
-    p.add_argument("--kv-balance", type=float, default=1.0,
-                   help="output init: weight of value errors against key errors")
+    p.add_argument("--kv-balance", default="1.0",
+                   help="weight of value errors against key errors in the joint SVD, or 'auto' (chosen on "
+                        "held-in text)")
     p.add_argument("--as-mha", action="store_true", help="expand a GQA source to MHA first")
     p.add_argument("--calib-data", nargs="+", default=None, help="calibration text files or directories")
     p.add_argument("--calib-samples", type=int, default=16)

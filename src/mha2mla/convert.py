@@ -46,6 +46,7 @@ RECIPES = {
 }
 ROPE_SHARE = 1 / 3  # default share of a pca budget spent on the shared RoPE key (measured: 24 of 72 best)
 HELD_IN_BLOCKS = 4
+AUTO_BALANCES = (0.25, 1.0, 4.0)  # K/V balances β tried by --kv-balance auto
 
 
 def head_dim_of(config) -> int:
@@ -159,6 +160,9 @@ def convert_layer(src, dst, rope_choice, stats, latent: int, svd: str, init: str
     k_weight = v_weight = None
     if init == "output":
         k_weight, v_weight = output_weights(src, nope, stats, dst.n_heads // dst.n_kv, dst.head_dim, kv_balance)
+    elif kv_balance != 1.0:  # value rows weighted √β against the key rows in the joint factorisation
+        k_weight = torch.eye(w_k_nope.shape[0], dtype=torch.float64)
+        v_weight = torch.eye(src.v_proj.weight.shape[0], dtype=torch.float64) * kv_balance**0.5
     down, k_up, v_up = joint_factors(w_k_nope, src.v_proj.weight, latent, svd, chol, k_weight, v_weight)
     dst.kv_down.weight.copy_(down)
     dst.k_up.weight.copy_(k_up)
@@ -236,7 +240,7 @@ def held_in_loss(model, blocks: torch.Tensor) -> float:
 def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | None = None,
                   rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
                   kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 2,
-                  kv_balance: float = 1.0, sequential: bool = True, as_mha: bool = False, calib_data=None,
+                  kv_balance: float | str = 1.0, sequential: bool = True, as_mha: bool = False, calib_data=None,
                   calib_samples: int = 16, calib_seq_len: int = 512, overwrite: bool = False,
                   progress: bool = True):
     """Convert `source` (path/alias or a (model, tokenizer) tuple) to MLA → (MLAForCausalLM, tokenizer).
@@ -247,7 +251,9 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
     the paper's cache size n_kv·(d_kv + 2·d_h/16), split with a ROPE_SHARE of it for RoPE. With `out`
     the checkpoint is written there atomically (refusing a non-empty `out` unless `overwrite`).
     `sequential` calibrates each layer on the outputs of the already converted layers before it
-    (so it compensates their error); False follows the source model's activations.
+    (so it compensates their error); False follows the source model's activations. `kv_balance` β
+    weights value errors against key errors in the joint factorisation; "auto" tries AUTO_BALANCES
+    and keeps the best by held-in loss (with the split search when there is one).
     """
     start = time.perf_counter()
     if out is not None:
@@ -277,6 +283,16 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
         candidates = [(r, config.num_key_value_heads * d_kv)]
     for r, latent in candidates:
         validate(config, latent, r, rope_strategy, svd, init)
+    if kv_balance == "auto":
+        balances = AUTO_BALANCES
+    else:
+        try:
+            balances = (float(kv_balance),)
+        except ValueError:
+            raise UserError(f"--kv-balance {kv_balance} is not a number or 'auto'") from None
+        if balances[0] <= 0:
+            raise UserError(f"--kv-balance must be positive (got {kv_balance})")
+    candidates = [(r, latent, b) for r, latent in candidates for b in balances]
     n_blocks = calib_samples + (HELD_IN_BLOCKS if len(candidates) > 1 else 0)
     blocks = pack_blocks(tokenizer, calib_data or [default_train_text()], calib_seq_len, n_blocks,
                          what="calibration text")
@@ -284,21 +300,22 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
         raise UserError("calibration text too short for the budget search: add text or lower --calib-samples")
     calib, held_in = blocks[:calib_samples], blocks[calib_samples:]
     source_name = str(source if isinstance(source, (str, Path)) else config._name_or_path)
-    settings = dict(rope_strategy=rope_strategy, svd=svd, init=init, freq_fold=freq_fold, kv_balance=kv_balance,
+    settings = dict(rope_strategy=rope_strategy, svd=svd, init=init, freq_fold=freq_fold,
                     sequential=sequential, source_name=source_name, progress=progress)
     if len(candidates) == 1:
-        mla, tried = convert_once(model, calib, *candidates[0], **settings), []
+        r, latent, balance = candidates[0]
+        mla, tried = convert_once(model, calib, r, latent, kv_balance=balance, **settings), []
     else:
         tried, best = [], None
-        for r, latent in candidates:
-            mla_try = convert_once(model, calib, r, latent, **settings)
+        for r, latent, balance in candidates:
+            mla_try = convert_once(model, calib, r, latent, kv_balance=balance, **settings)
             loss = held_in_loss(mla_try, held_in)
-            tried.append({"rope_pairs": r, "latent_dim": latent, "held_in_loss": loss})
-            print(f"  budget {kv_budget}: rope dims {mla_try.config.n_rope_heads * 2 * r}, latent {latent} → "
-                  f"held-in loss {loss:.4f}", file=sys.stderr)
+            tried.append({"rope_pairs": r, "latent_dim": latent, "kv_balance": balance, "held_in_loss": loss})
+            print(f"  candidate: rope dims {mla_try.config.n_rope_heads * 2 * r}, latent {latent}, K/V balance "
+                  f"{balance:g} → held-in loss {loss:.4f}", file=sys.stderr)
             if best is None or loss < best[0]:
-                best = (loss, mla_try)
-        mla = best[1]
+                best = (loss, balance, mla_try)
+        _, kv_balance, mla = best
     mla.generation_config = model.generation_config
     mla.config.conversion = {
         "rope_strategy": rope_strategy, "init": init, "svd": svd, "freq_fold": freq_fold, "as_mha": as_mha,
