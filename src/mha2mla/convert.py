@@ -30,10 +30,10 @@ from .data import default_train_text, pack_blocks
 from .errors import UserError
 from .evaluate.kv_memory import kv_report, source_elements_per_token_per_layer
 from .expand import expand_to_mha
-from .lowrank import cholesky_factor, joint_factors, key_row_weight, value_row_weight
+from .lowrank import cholesky_factor, joint_factors, key_row_weight, second_moment, value_row_weight
 from .modeling import MLAConfig, MLAForCausalLM
 from .partial_rope import STRATEGIES, check_rope_pairs, select_pairs, split_dims
-from .rope_pca import pca_basis, query_rows, second_moment
+from .rope_pca import pca_basis, query_rows
 from .sources import check_family, load_source
 
 INITS = ("weight", "activation", "output")

@@ -74,17 +74,20 @@ def upper_factor(gram: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
     return cholesky_factor(gram, damping).T
 
 
+def second_moment(weight: torch.Tensor, bias: torch.Tensor | None, cov: torch.Tensor, mean: torch.Tensor):
+    """E[y yᵀ] for y = W x + b given E[x xᵀ] = cov and E[x] = mean (float64)."""
+    w = weight.double()
+    out = w @ cov @ w.T
+    if bias is not None:
+        wm, b = w @ mean, bias.double()
+        out = out + torch.outer(wm, b) + torch.outer(b, wm) + torch.outer(b, b)
+    return out
+
+
 def key_row_weight(w_q_nope: list[torch.Tensor], b_q_nope: list[torch.Tensor | None], cov: torch.Tensor,
                    mean: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """S_k for one KV group from its query heads' NoPE rows: E[q qᵀ] = W C Wᵀ + W μ bᵀ + b μᵀ Wᵀ + b bᵀ."""
-    gram = 0
-    for w, b in zip(w_q_nope, b_q_nope):
-        w = w.double()
-        second = w @ cov @ w.T
-        if b is not None:
-            wm, b = w @ mean, b.double()
-            second = second + torch.outer(wm, b) + torch.outer(b, wm) + torch.outer(b, b)
-        gram = gram + second
+    """S_k for one KV group from its query heads' NoPE rows: Σ_h E[q_h q_hᵀ] / d_h."""
+    gram = sum(second_moment(w, b, cov, mean) for w, b in zip(w_q_nope, b_q_nope))
     return upper_factor(gram / head_dim)
 
 

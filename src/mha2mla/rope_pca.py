@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .lowrank import second_moment
+
 
 @dataclass
 class RopeBasis:
@@ -38,16 +40,6 @@ class RopeBasis:
     def projection(self) -> torch.Tensor:
         """P = R_reᵀ R_re + R_imᵀ R_im, the orthogonal projection on the kept components."""
         return self.r_re.T @ self.r_re + self.r_im.T @ self.r_im
-
-
-def second_moment(weight: torch.Tensor, bias: torch.Tensor | None, cov: torch.Tensor, mean: torch.Tensor):
-    """E[y yᵀ] for y = W x + b given E[x xᵀ] = cov and E[x] = mean (float64)."""
-    w = weight.double()
-    out = w @ cov @ w.T
-    if bias is not None:
-        wm, b = w @ mean, bias.double()
-        out = out + torch.outer(wm, b) + torch.outer(b, wm) + torch.outer(b, b)
-    return out
 
 
 def group_dims(group: list[int], heads: list[int], head_dim: int) -> tuple[list[int], list[int]]:
