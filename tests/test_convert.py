@@ -83,21 +83,23 @@ def masked_rope_reference(src, ids, kept_pairs):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_full_rank_all_pairs_equals_source(name, tokenizer, wiki_dir):
+@pytest.mark.parametrize("init", ["weight", "activation", "output"])
+def test_full_rank_all_pairs_equals_source(name, init, tokenizer, wiki_dir):
     src = source(name)
     d_h = src.config.head_dim
-    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=d_h // 2, d_kv=max_d_kv(src.config, d_h // 2))
+    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=d_h // 2, d_kv=max_d_kv(src.config, d_h // 2), init=init)
     ids = ids_for()
     diff = (mla(ids).logits - src(ids).logits).abs().max().item()
     assert diff <= TOL, diff
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("strategy", ["2-norm", "uniform", "high", "low"])
-def test_partial_rope_full_rank_equals_masked_reference(name, strategy, tokenizer, wiki_dir):
+@pytest.mark.parametrize("strategy,init", [("2-norm", "activation"), ("uniform", "weight"), ("high", "output"),
+                                           ("low", "activation")])
+def test_partial_rope_full_rank_equals_masked_reference(name, strategy, init, tokenizer, wiki_dir):
     src = source(name)
     mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=2, rope_strategy=strategy,
-                       d_kv=max_d_kv(src.config, 2))
+                       d_kv=max_d_kv(src.config, 2), init=init)
     ids = ids_for()
     ref = masked_rope_reference(src, ids, mla.config.kept_pairs)
     diff = (mla(ids).logits - ref).abs().max().item()
