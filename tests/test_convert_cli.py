@@ -72,6 +72,10 @@ def test_eval_ppl_json(tiny_dir, tmp_path):
     (["--rope-pairs", "0"], "--rope-pairs"),
     (["--rope-pairs", "9"], "--rope-pairs"),
     (["--rope-strategy", "uniform", "--rope-pairs", "3"], "uniform"),
+    (["--kv-balance", "heavy"], "--kv-balance"),
+    (["--kv-balance", "-1"], "--kv-balance"),
+    (["--kv-reduction", "150"], "--kv-reduction"),
+    (["--calib-samples", "0"], "--calib-samples"),
 ])
 def test_bad_options(tiny_dir, wiki_dir, tmp_path, args, needle):
     out = tmp_path / "out"
