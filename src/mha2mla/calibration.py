@@ -44,10 +44,8 @@ def accumulate(attn, x: torch.Tensor, stats: dict) -> None:
     stats["n"] += x.shape[0]
 
 
-def source_layer_step(layer, seq_len: int, dtype, rope):
-    """hidden → hidden through one source decoder layer (causal, positions 0 … seq_len−1)."""
-    causal = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
-    position_ids = torch.arange(seq_len)[None]
+def source_layer_step(layer, causal: torch.Tensor, position_ids: torch.Tensor, rope):
+    """hidden → hidden through one source decoder layer (additive causal mask, positions [1, T])."""
 
     def step(h: torch.Tensor) -> torch.Tensor:
         out = layer(h, attention_mask=causal, position_ids=position_ids.expand(h.shape[0], -1),

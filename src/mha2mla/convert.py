@@ -363,7 +363,7 @@ def convert_once(model, blocks, rope_pairs: int, latent: int, *, rope_strategy: 
         convert_layer(src.self_attn, layer.self_attn, choice, stats, latent, svd, init, kv_balance, shared)
         copy_layer_rest(src, layer)
         if not sequential:
-            return source_layer_step(src, seq, model.dtype, rope)
+            return source_layer_step(src, causal, position_ids, rope)
         return lambda h: layer(h, position_ids.expand(h.shape[0], -1), causal)
 
     calibrate(model, blocks, on_layer, progress=progress)
