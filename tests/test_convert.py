@@ -99,7 +99,7 @@ def test_full_rank_all_pairs_equals_source(name, init, tokenizer, wiki_dir):
 def test_partial_rope_full_rank_equals_masked_reference(name, strategy, init, tokenizer, wiki_dir):
     src = source(name)
     mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=2, rope_strategy=strategy,
-                       d_kv=max_d_kv(src.config, 2), init=init)
+                       d_kv=max_d_kv(src.config, 2), init=init, refit="none")  # the refit would pull towards the source
     ids = ids_for()
     ref = masked_rope_reference(src, ids, mla.config.kept_pairs)
     diff = (mla(ids).logits - ref).abs().max().item()

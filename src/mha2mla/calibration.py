@@ -8,6 +8,8 @@ statistics of one layer at a time); for each layer the conversion receives:
     q_norm  mean over tokens of ‖q_{h,k}‖, the pre-RoPE norm of query head h's frequency pair k
             (dims k and k + d_h/2), [n_heads, d_h/2]
     k_norm  the same for each KV head, [n_kv, d_h/2]
+    inputs  the attention inputs themselves, one [b, T, D] tensor per batch of blocks (for the
+            output refit, which needs the source's attention on them; one layer's worth)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class LayerStats:
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     tokens: int
+    inputs: list[torch.Tensor]
 
 
 def pair_norms(states: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -75,9 +78,10 @@ def calibrate(model, blocks: torch.Tensor, on_layer: Callable, batch_size: int =
                  "x": torch.zeros(hidden_size, dtype=torch.float64),
                  "q": torch.zeros(config.num_attention_heads, head_dim // 2, dtype=torch.float64),
                  "k": torch.zeros(config.num_key_value_heads, head_dim // 2, dtype=torch.float64), "n": 0}
-        for h in hidden:
-            accumulate(layer.self_attn, layer.input_layernorm(h).reshape(-1, hidden_size), stats)
+        inputs = [layer.input_layernorm(h) for h in hidden]
+        for x in inputs:
+            accumulate(layer.self_attn, x.reshape(-1, hidden_size), stats)
         n = stats["n"]
         step = on_layer(idx, LayerStats(cov=stats["xx"] / n, mean=stats["x"] / n, q_norm=stats["q"] / n,
-                                        k_norm=stats["k"] / n, tokens=n))
+                                        k_norm=stats["k"] / n, tokens=n, inputs=inputs))
         hidden = [step(h) for h in hidden]

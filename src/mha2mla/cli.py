@@ -38,7 +38,7 @@ def cmd_convert(args) -> None:
     model, _ = convert_model(
         args.source, args.out, d_kv=args.d_kv, rope_pairs=args.rope_pairs,
         rope_strategy=args.rope_strategy or recipe["rope_strategy"], svd=args.svd,
-        init=args.init or recipe["init"], sequential=recipe["sequential"], kv_budget=args.kv_budget,
+        init=args.init or recipe["init"], sequential=recipe["sequential"], refit=args.refit or recipe["refit"], kv_budget=args.kv_budget,
         kv_reduction=args.kv_reduction, freq_fold=args.freq_fold or recipe["freq_fold"], kv_balance=args.kv_balance,
         as_mha=args.as_mha, calib_data=args.calib_data, calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len, overwrite=args.overwrite)
@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--freq-fold", type=int, default=None, help="pca: adjacent frequencies folded into one PCA")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])
     p.add_argument("--init", default=None, choices=["weight", "activation", "output"])
+    p.add_argument("--refit", default=None, choices=["none", "v", "vo"],
+                   help="re-fit v_up (v) and then o_proj (vo) to the source's attention output on the "
+                        "calibration text (default recipe: vo; paper: none)")
     p.add_argument("--kv-balance", default="1.0",
                    help="weight of value errors against key errors in the joint SVD, or 'auto' (chosen on "
                         "held-in text)")

@@ -5,7 +5,9 @@ For each layer, from calibration statistics of its inputs:
      (partial_rope), q_proj rows of each head reordered to [NoPE dims | RoPE dims], k_rope_proj the
      kept rows of W_k — or RoPE concentration (`pca`, rope_pca) — one RoPE key of 2r dims shared by
      all heads, the position-free key being W_k minus its projection on the kept components;
-  2. the position-free key rows and all of W_v are factored into kv_down, k_up, v_up (lowrank).
+  2. the position-free key rows and all of W_v are factored into kv_down, k_up, v_up (lowrank);
+  3. optionally (`refit`), v_up and then o_proj are re-fit by least squares to the source layer's
+     attention output on the calibration inputs (refit).
 Everything else (embeddings, norms, MLP, o_proj, biases) is copied. With nothing dropped and full
 rank the MLA model computes exactly what the source does.
 
@@ -33,6 +35,7 @@ from .expand import expand_to_mha
 from .lowrank import cholesky_factor, joint_factors, key_row_weight, second_moment, value_row_weight
 from .modeling import MLAConfig, MLAForCausalLM
 from .partial_rope import STRATEGIES, check_rope_pairs, select_pairs, split_dims
+from .refit import REFITS, refit_outputs
 from .rope_pca import pca_basis, query_rows
 from .sources import check_family, load_source
 
@@ -41,8 +44,8 @@ INITS = ("weight", "activation", "output")
 # RoPE concentration with folding 2 and activation-aware SVD, about a third of the cache for RoPE.
 # `paper` is the MHA2MLA paper's recipe: per-head 2-norm partial RoPE, weight-only joint SVD.
 RECIPES = {
-    "default": dict(rope_strategy="pca", freq_fold=2, init="activation", sequential=True),
-    "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False),
+    "default": dict(rope_strategy="pca", freq_fold=2, init="activation", sequential=True, refit="vo"),
+    "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False, refit="none"),
 }
 ROPE_SHARE = 1 / 3  # default share of a pca budget spent on the shared RoPE key (measured: 24 of 72 best)
 HELD_IN_BLOCKS = 4
@@ -189,7 +192,7 @@ def copy_outer(source, mla) -> None:
         mla.lm_head.load_state_dict(source.lm_head.state_dict())
 
 
-def validate(config, latent: int, rope_pairs: int, rope_strategy: str, svd: str, init: str) -> None:
+def validate(config, latent: int, rope_pairs: int, rope_strategy: str, svd: str, init: str, refit: str) -> None:
     d_h, n_kv = head_dim_of(config), config.num_key_value_heads
     if rope_strategy == "pca":
         if not 1 <= rope_pairs <= n_kv * d_h // 2:
@@ -198,6 +201,8 @@ def validate(config, latent: int, rope_pairs: int, rope_strategy: str, svd: str,
         check_rope_pairs(rope_pairs, d_h, rope_strategy)
     if init not in INITS:
         raise UserError(f"unknown --init {init}: use one of {', '.join(INITS)}")
+    if refit not in REFITS:
+        raise UserError(f"unknown --refit {refit}: use one of {', '.join(REFITS)}")
     if svd not in ("joint", "split"):
         raise UserError(f"unknown --svd {svd}: use joint or split")
     limit = max_latent(config, rope_pairs, rope_strategy)
@@ -240,7 +245,7 @@ def held_in_loss(model, blocks: torch.Tensor) -> float:
 def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | None = None,
                   rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
                   kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 2,
-                  kv_balance: float | str = 1.0, sequential: bool = True, as_mha: bool = False, calib_data=None,
+                  kv_balance: float | str = 1.0, sequential: bool = True, refit: str = "vo", as_mha: bool = False, calib_data=None,
                   calib_samples: int = 16, calib_seq_len: int = 512, overwrite: bool = False,
                   progress: bool = True):
     """Convert `source` (path/alias or a (model, tokenizer) tuple) to MLA → (MLAForCausalLM, tokenizer).
@@ -253,7 +258,9 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
     `sequential` calibrates each layer on the outputs of the already converted layers before it
     (so it compensates their error); False follows the source model's activations. `kv_balance` β
     weights value errors against key errors in the joint factorisation; "auto" tries AUTO_BALANCES
-    and keeps the best by held-in loss (with the split search when there is one).
+    and keeps the best by held-in loss (with the split search when there is one). `refit`: "v"
+    re-fits v_up, "vo" v_up then o_proj, to the source's attention output (refit); "none" keeps the
+    factorisation's own.
     """
     start = time.perf_counter()
     if out is not None:
@@ -282,7 +289,7 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
         r = rope_pairs if rope_pairs is not None else max(1, head_dim_of(config) // 16)
         candidates = [(r, config.num_key_value_heads * d_kv)]
     for r, latent in candidates:
-        validate(config, latent, r, rope_strategy, svd, init)
+        validate(config, latent, r, rope_strategy, svd, init, refit)
     if kv_balance == "auto":
         balances = AUTO_BALANCES
     else:
@@ -301,7 +308,7 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
     calib, held_in = blocks[:calib_samples], blocks[calib_samples:]
     source_name = str(source if isinstance(source, (str, Path)) else config._name_or_path)
     settings = dict(rope_strategy=rope_strategy, svd=svd, init=init, freq_fold=freq_fold,
-                    sequential=sequential, source_name=source_name, progress=progress)
+                    sequential=sequential, refit=refit, source_name=source_name, progress=progress)
     if len(candidates) == 1:
         r, latent, balance = candidates[0]
         mla, tried = convert_once(model, calib, r, latent, kv_balance=balance, **settings), []
@@ -319,7 +326,7 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
     mla.generation_config = model.generation_config
     mla.config.conversion = {
         "rope_strategy": rope_strategy, "init": init, "svd": svd, "freq_fold": freq_fold, "as_mha": as_mha,
-        "sequential": sequential, "kv_balance": kv_balance, "calib_samples": len(calib),
+        "sequential": sequential, "refit": refit, "kv_balance": kv_balance, "calib_samples": len(calib),
         "calib_seq_len": calib_seq_len, "budget_candidates": tried, "seconds": time.perf_counter() - start,
         "kv": kv_report(mla.config, dtype_bytes=mla.dtype.itemsize,
                         original_config=original_config if as_mha else None),
@@ -331,7 +338,8 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
 
 @torch.no_grad()
 def convert_once(model, blocks, rope_pairs: int, latent: int, *, rope_strategy: str, svd: str, init: str,
-                 freq_fold: int, kv_balance: float, sequential: bool, source_name: str, progress: bool):
+                 freq_fold: int, kv_balance: float, sequential: bool, refit: str, source_name: str,
+                 progress: bool):
     """One conversion at a fixed (rope_pairs, latent_dim)."""
     config = model.config
     n_heads, n_kv, d_h = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
@@ -361,6 +369,9 @@ def convert_once(model, blocks, rope_pairs: int, latent: int, *, rope_strategy: 
         kept_all.append(kept)
         layer.self_attn.set_rope_pairs(kept, inv_freq)
         convert_layer(src.self_attn, layer.self_attn, choice, stats, latent, svd, init, kv_balance, shared)
+        if refit != "none":
+            refit_outputs(src.self_attn, layer.self_attn, stats.inputs, rope, causal, position_ids,
+                          o_proj=refit == "vo")
         copy_layer_rest(src, layer)
         if not sequential:
             return source_layer_step(src, causal, position_ids, rope)
