@@ -62,13 +62,14 @@ TRAJECTORY = ("steps", "seq_len", "batch_size", "grad_accum", "lr", "freeze_non_
 def train(model_or_path, out, data=None, steps: int = 100, *, seq_len: int = 512, batch_size: int = 4,
           grad_accum: int = 1, lr: float = 1e-4, freeze_non_attention: bool = False, bf16: bool = False,
           resume: bool = False, save_every: int = 100, seed: int = 0, panel: str | None = None,
-          variant: str | None = None) -> dict:
+          variant: str | None = None, callbacks: list | None = None) -> dict:
     """Fine-tune a model (path/alias or a (model, tokenizer) tuple) into `out`; returns the result.
 
     `data`: text files/directories (default: the Wikipedia shards). `panel`/`variant` label the run
     for the figure (default: read from the model). With `resume`, a run already in `out` continues
     from its last checkpoint (a finished run is returned as it is); without it `out` must be empty.
-    The model object of a tuple is trained in place. Result: {"out", "steps", "final_loss",
+    The model object of a tuple is trained in place; `callbacks`: extra TrainerCallbacks (e.g. an
+    evaluation during the run). Result: {"out", "steps", "final_loss",
     "tokens", "seconds", "panel", "variant"}.
     """
     _check_numbers(steps, batch_size, grad_accum, lr, save_every)
@@ -97,7 +98,8 @@ def train(model_or_path, out, data=None, steps: int = 100, *, seq_len: int = 512
     use_cache = model.config.use_cache
     log = LossLog(out / "loss.jsonl")
     trainer = Trainer(model=model, args=args, train_dataset=Blocks(blocks),
-                      callbacks=[log, AtomicCheckpoints(out / "checkpoints"), *tensorboard(out, args)])
+                      callbacks=[log, AtomicCheckpoints(out / "checkpoints"), *tensorboard(out, args),
+                                 *(callbacks or [])])
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(ProgressBar())
     start = time.perf_counter()
