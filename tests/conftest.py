@@ -81,8 +81,8 @@ def tiny_source(family: str = "llama", n_heads: int = 4, n_kv: int = 2, head_dim
 
 @pytest.fixture(scope="session")
 def smollm2_mla(smollm2, wiki_dir):
-    """SmolLM2-135M converted once per session: d_kv=16, r=4, 2-norm, activation init → (model, tokenizer)."""
+    """SmolLM2-135M converted once per session: d_kv=16, r=4, 2-norm, activation init, no refit → (model, tokenizer)."""
     from mha2mla.convert import convert_model
 
-    return convert_model(smollm2, d_kv=16, rope_pairs=4, rope_strategy="2-norm", init="activation",
+    return convert_model(smollm2, d_kv=16, rope_pairs=4, rope_strategy="2-norm", init="activation", refit="none",
                          calib_data=[wiki_dir], progress=False)

@@ -30,7 +30,7 @@ def model_card(config) -> str:
         f"| d_kv (latent per KV head) | {config.d_kv} |",
         f"| rope_pairs (r) | {config.rope_pairs} ({config.rope_layout}) |",
         f"| rope strategy | {conv.get('rope_strategy', '?')} |",
-        f"| low-rank | {config.svd}, {conv.get('init', '?')} init |",
+        f"| low-rank | {config.svd}, {conv.get('init', '?')} init, refit {conv.get('refit', 'none')} |",
     ]
     if kv:
         lines += [f"| KV cache per token per layer | {kv['kv_elements_per_token_per_layer']} values, "
