@@ -2,7 +2,8 @@
 
 WikiText-2 raw test, 8 windows × 1024 tokens; rows: the source, partial RoPE only (2-norm, r=4,
 full-rank latent: exactly the masked-RoPE model), d_kv 8/16/32 × init weight/activation (2-norm,
-r=4: the paper's partial RoPE), and the default recipe (RoPE concentration) at the same cache sizes,
+r=4: the paper's partial RoPE; no refit, so the inits are compared alone), activation with the value
+refit (--refit v), and the default recipe (RoPE concentration + refit vo) at the same cache sizes,
 with conversion wall time (calibration included).
 
     python benchmarks/convert_quality.py [--windows 8] [--inits weight,activation,output]
@@ -32,7 +33,7 @@ def main() -> None:
 
     def run(label, d_kv, init, **kw):
         start = time.perf_counter()
-        kw = kw or dict(rope_pairs=4, rope_strategy="2-norm")
+        kw = kw or dict(rope_pairs=4, rope_strategy="2-norm", refit="none")
         mla, _ = convert_model((model, tok), d_kv=d_kv, init=init, progress=False, **kw)
         seconds = time.perf_counter() - start
         rows.append((label, d_kv, init, perplexity(mla, tok, windows=args.windows, progress=False)["ppl"], seconds))
@@ -42,6 +43,7 @@ def main() -> None:
     for d_kv in map(int, args.d_kv.split(",")):
         for init in args.inits.split(","):
             run("MLA 2-norm", d_kv, init)
+        run("MLA 2-norm + v refit", d_kv, "activation", rope_pairs=4, rope_strategy="2-norm", refit="v")
         run("MLA default recipe", d_kv, "activation", rope_strategy="pca", freq_fold=2)
     print("\n| model | d_kv | init | ppl | conversion s |\n|---|---|---|---|---|")
     for label, d_kv, init, ppl, seconds in rows:
