@@ -38,14 +38,14 @@ def first_layer_error(smollm2, wiki_dir):
         rope = src.model.rotary_emb(x, positions)
         causal = torch.full((32, 32), torch.finfo(x.dtype).min).triu(1)[None, None]
         _, target = source_attention(s_attn, x, rope, causal, 4, 2, 16)
-        target = target @ s_attn.o_proj.weight.double().T
+        target = target.double() @ s_attn.o_proj.weight.double().T
 
     def error(refit: str) -> float:
         mla = convert_model((src, tokenizer), d_kv=3, rope_pairs=2, rope_strategy="2-norm", refit=refit,
                             calib_data=[wiki_dir], calib_samples=8, calib_seq_len=32, progress=False)[0]
         m_attn = mla.model.layers[0].self_attn
         with torch.no_grad():
-            got = mla_head_outputs(m_attn, x, positions, causal) @ m_attn.o_proj.weight.double().T
+            got = mla_head_outputs(m_attn, x, positions, causal).double() @ m_attn.o_proj.weight.double().T
         return float((got - target).pow(2).sum())
 
     return {refit: error(refit) for refit in ("none", "v", "vo")}

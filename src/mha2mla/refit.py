@@ -23,6 +23,7 @@ factorisation already is (nothing dropped → the refit changes nothing). All su
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from .lowrank import DAMPING
@@ -46,9 +47,8 @@ def source_attention(attn, x: torch.Tensor, rope, causal: torch.Tensor, n_heads:
     v = attn.v_proj(x).view(B, T, n_kv, head_dim).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, *rope)
     groups = n_heads // n_kv
-    scores = q @ repeat_kv(k, groups).transpose(-1, -2) * head_dim**-0.5 + causal
-    probs = scores.double().softmax(-1)
-    out = probs @ repeat_kv(v, groups).double()
+    probs = (q @ repeat_kv(k, groups).transpose(-1, -2) * head_dim**-0.5 + causal).softmax(-1)
+    out = probs @ repeat_kv(v, groups)
     return probs, out.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -60,37 +60,46 @@ def mla_head_outputs(mla_attn, x: torch.Tensor, position_ids: torch.Tensor, caus
         mla_attn(x, position_ids.expand(x.shape[0], -1), causal)
     finally:
         hook.remove()
-    return seen["out"].double()
+    return seen["out"]
 
 
 @torch.no_grad()
 def refit_outputs(src_attn, mla_attn, inputs: list[torch.Tensor], rope, causal: torch.Tensor,
                   position_ids: torch.Tensor, o_proj: bool = True) -> None:
-    """Re-fit mla_attn's v_up, then (`o_proj`) its o_proj, on this layer's calibration inputs (in place)."""
+    """Re-fit mla_attn's v_up, then (`o_proj`) its o_proj, on this layer's calibration inputs (in place).
+
+    The value sums are taken in the latent and value spaces (D z and W_v z, not z itself): the same
+    W_v C_g Dᵀ and D C_g Dᵀ at a fraction of the cost. Per-batch products in the model dtype,
+    running sums in float64.
+    """
     n_heads, n_kv, d_h = mla_attn.n_heads, mla_attn.n_kv, mla_attn.head_dim
     groups = n_heads // n_kv
-    hidden = inputs[0].shape[-1]
-    z_gram = torch.zeros(n_kv, hidden, hidden, dtype=torch.float64)
+    width = len(range(mla_attn.kv_down.out_features)[mla_attn.v_latent])
+    cross = torch.zeros(n_kv, d_h, width, dtype=torch.float64)
+    gram = torch.zeros(n_kv, width, width, dtype=torch.float64)
     for x in inputs:
+        B, T, _ = x.shape
         probs, _ = source_attention(src_attn, x, rope, causal, n_heads, n_kv, d_h)
-        z = (probs @ x.double()[:, None]).view(x.shape[0], n_kv, groups, -1, hidden)  # z_hi per group
-        z_gram += torch.einsum("bgtid,bgtie->gde", z, z)
-    down = mla_attn.kv_down.weight.double()[mla_attn.v_latent]
-    w_v = src_attn.v_proj.weight.double().view(n_kv, d_h, hidden)
+        probs = probs.view(B, n_kv, groups, T, T)
+        latent = mla_attn.kv_down(x)[..., mla_attn.v_latent]                        # c_kv, [B, T, L_v]
+        values = F.linear(x, src_attn.v_proj.weight).view(B, T, n_kv, d_h).transpose(1, 2)  # W_v x
+        attended_latent = probs @ latent[:, None, None]                              # D z, [B, n_kv, G, T, L_v]
+        attended_values = probs @ values[:, :, None]                                 # W_v z
+        cross += torch.einsum("bgitd,bgitl->gdl", attended_values, attended_latent).double()
+        gram += torch.einsum("bgitl,bgitm->glm", attended_latent, attended_latent).double()
     prior = mla_attn.v_up.weight.double().view(n_kv, d_h, -1)
-    v_up = torch.cat([ridge_fit(w_v[g] @ z_gram[g] @ down.T, down @ z_gram[g] @ down.T, prior[g])
-                      for g in range(n_kv)])
-    mla_attn.v_up.weight.copy_(v_up)
+    mla_attn.v_up.weight.copy_(torch.cat([ridge_fit(cross[g], gram[g], prior[g]) for g in range(n_kv)]))
     if not o_proj:
         return
 
-    cross = torch.zeros(n_heads * d_h, n_heads * d_h, dtype=torch.float64)
+    width = n_heads * d_h
+    cross = torch.zeros(width, width, dtype=torch.float64)
     gram = torch.zeros_like(cross)
     for x in inputs:
         _, target = source_attention(src_attn, x, rope, causal, n_heads, n_kv, d_h)
         got = mla_head_outputs(mla_attn, x, position_ids, causal)
-        target, got = target.reshape(-1, target.shape[-1]), got.reshape(-1, got.shape[-1])
-        cross += target.T @ got
-        gram += got.T @ got
+        target, got = target.reshape(-1, width), got.reshape(-1, width)
+        cross += (target.T @ got).double()
+        gram += (got.T @ got).double()
     w_o = src_attn.o_proj.weight.double()
     mla_attn.o_proj.weight.copy_(ridge_fit(w_o @ cross, gram, w_o))
