@@ -69,8 +69,8 @@ def refit_outputs(src_attn, mla_attn, inputs: list[torch.Tensor], rope, causal: 
     """Re-fit mla_attn's v_up, then (`o_proj`) its o_proj, on this layer's calibration inputs (in place).
 
     The value sums are taken in the latent and value spaces (D z and W_v z, not z itself): the same
-    W_v C_g Dᵀ and D C_g Dᵀ at a fraction of the cost. Per-batch products in the model dtype,
-    running sums in float64.
+    W_v C_g Dᵀ and D C_g Dᵀ at a fraction of the cost. Attention in the model dtype, the sums in
+    float64 (so a refit with nothing dropped stays exact).
     """
     n_heads, n_kv, d_h = mla_attn.n_heads, mla_attn.n_kv, mla_attn.head_dim
     groups = n_heads // n_kv
@@ -83,10 +83,10 @@ def refit_outputs(src_attn, mla_attn, inputs: list[torch.Tensor], rope, causal: 
         probs = probs.view(B, n_kv, groups, T, T)
         latent = mla_attn.kv_down(x)[..., mla_attn.v_latent]                        # c_kv, [B, T, L_v]
         values = F.linear(x, src_attn.v_proj.weight).view(B, T, n_kv, d_h).transpose(1, 2)  # W_v x
-        attended_latent = probs @ latent[:, None, None]                              # D z, [B, n_kv, G, T, L_v]
-        attended_values = probs @ values[:, :, None]                                 # W_v z
-        cross += torch.einsum("bgitd,bgitl->gdl", attended_values, attended_latent).double()
-        gram += torch.einsum("bgitl,bgitm->glm", attended_latent, attended_latent).double()
+        attended_latent = (probs @ latent[:, None, None]).double()                   # D z, [B, n_kv, G, T, L_v]
+        attended_values = (probs @ values[:, :, None]).double()                      # W_v z
+        cross += torch.einsum("bgitd,bgitl->gdl", attended_values, attended_latent)
+        gram += torch.einsum("bgitl,bgitm->glm", attended_latent, attended_latent)
     prior = mla_attn.v_up.weight.double().view(n_kv, d_h, -1)
     mla_attn.v_up.weight.copy_(torch.cat([ridge_fit(cross[g], gram[g], prior[g]) for g in range(n_kv)]))
     if not o_proj:
@@ -98,8 +98,8 @@ def refit_outputs(src_attn, mla_attn, inputs: list[torch.Tensor], rope, causal: 
     for x in inputs:
         _, target = source_attention(src_attn, x, rope, causal, n_heads, n_kv, d_h)
         got = mla_head_outputs(mla_attn, x, position_ids, causal)
-        target, got = target.reshape(-1, width), got.reshape(-1, width)
-        cross += (target.T @ got).double()
-        gram += (got.T @ got).double()
+        target, got = target.reshape(-1, width).double(), got.reshape(-1, width).double()
+        cross += target.T @ got
+        gram += got.T @ got
     w_o = src_attn.o_proj.weight.double()
     mla_attn.o_proj.weight.copy_(ridge_fit(w_o @ cross, gram, w_o))
