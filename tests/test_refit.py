@@ -8,6 +8,7 @@ from conftest import tiny_source
 
 from mha2mla.convert import convert_model
 from mha2mla.data import pack_blocks
+from mha2mla.errors import UserError
 from mha2mla.refit import mla_head_outputs, ridge_fit, source_attention
 
 
@@ -54,3 +55,9 @@ def first_layer_error(smollm2, wiki_dir):
 def test_refit_lowers_the_attention_output_error(first_layer_error):
     print(first_layer_error)
     assert first_layer_error["vo"] < first_layer_error["v"] < first_layer_error["none"]
+
+
+def test_unknown_refit_is_a_user_error(smollm2, wiki_dir):
+    with pytest.raises(UserError, match="unknown --refit bogus: use one of none, v, vo"):
+        convert_model((tiny_source("llama", vocab=49152), smollm2[1]), d_kv=3, rope_pairs=2, refit="bogus",
+                      calib_data=[wiki_dir], calib_samples=2, calib_seq_len=32, progress=False)

@@ -48,7 +48,7 @@ RECIPES = {
     "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False, refit="none"),
 }
 # The refit used when none is asked for (benchmarks/kv_budget.py, budget 72): v_up and o_proj after
-# RoPE concentration (ppl 415 → 309), only v_up after per-head partial RoPE (751 → 604; with o_proj
+# RoPE concentration (ppl 415 → 302), only v_up after per-head partial RoPE (751 → 605; with o_proj
 # 881: its attention differs too much from the source's for the o_proj regression to transfer).
 DEFAULT_REFIT = {"pca": "vo", "per_head": "v"}
 ROPE_SHARE = 1 / 3  # default share of a pca budget spent on the shared RoPE key (measured: 24 of 72 best)

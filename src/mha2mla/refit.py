@@ -77,9 +77,11 @@ def refit_outputs(src_attn, mla_attn, inputs: list[torch.Tensor], rope, causal: 
     width = len(range(mla_attn.kv_down.out_features)[mla_attn.v_latent])
     cross = torch.zeros(n_kv, d_h, width, dtype=torch.float64)
     gram = torch.zeros(n_kv, width, width, dtype=torch.float64)
+    targets = []  # the source's head outputs, kept for the o_proj fit
     for x in inputs:
         B, T, _ = x.shape
-        probs, _ = source_attention(src_attn, x, rope, causal, n_heads, n_kv, d_h)
+        probs, target = source_attention(src_attn, x, rope, causal, n_heads, n_kv, d_h)
+        targets.append(target)
         probs = probs.view(B, n_kv, groups, T, T)
         latent = mla_attn.kv_down(x)[..., mla_attn.v_latent]                        # c_kv, [B, T, L_v]
         values = F.linear(x, src_attn.v_proj.weight).view(B, T, n_kv, d_h).transpose(1, 2)  # W_v x
@@ -95,8 +97,7 @@ def refit_outputs(src_attn, mla_attn, inputs: list[torch.Tensor], rope, causal: 
     width = n_heads * d_h
     cross = torch.zeros(width, width, dtype=torch.float64)
     gram = torch.zeros_like(cross)
-    for x in inputs:
-        _, target = source_attention(src_attn, x, rope, causal, n_heads, n_kv, d_h)
+    for x, target in zip(inputs, targets):
         got = mla_head_outputs(mla_attn, x, position_ids, causal)
         target, got = target.reshape(-1, width).double(), got.reshape(-1, width).double()
         cross += target.T @ got
