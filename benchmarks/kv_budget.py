@@ -8,11 +8,14 @@ Budgets 48 / 72 / 120 cached values per token per layer (−87.5 / −81.25 / �
   best     the default recipe: RoPE concentration (pca, --freq-fold 2), activation-aware SVD, v_up and
            o_proj refit; at the --search budgets the RoPE/latent split is chosen by the budget search
            on held-in text (candidates logged on stderr), elsewhere a third of the budget goes to RoPE
+  best, per-layer split   the same with --per-layer-split (each layer picks its own split by its
+           attention-output error), at the --per-layer budgets
 Then the recovery curve at budget 72, paper vs best: one fine-tuning run of the largest step count
 (batch 4 × 256, the paper's optimizer and schedule) per recipe, perplexity measured before it and
 after each listed step.
 
-    python benchmarks/kv_budget.py [--budgets 48,72,120] [--recovery-steps 10,25,50] [--part all|budgets|recovery]
+    python benchmarks/kv_budget.py [--budgets 48,72,120] [--search 48,72,120] [--per-layer 72,120]
+                                   [--recovery-steps 10,25,50] [--part all|budgets|recovery]
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from mha2mla.train import train
 N_KV, ROPE_PAIRS = 3, 4
 
 
-def configs(budget: int, search: bool) -> dict:
+def configs(budget: int, search: bool, per_layer: bool) -> dict:
+    """The conversions compared at one budget (None: not run at this budget)."""
     d_kv = budget // N_KV - 2 * ROPE_PAIRS
     two_norm = dict(d_kv=d_kv, rope_pairs=ROPE_PAIRS, rope_strategy="2-norm", init="activation")
     return {
@@ -40,6 +44,7 @@ def configs(budget: int, search: bool) -> dict:
         "2-norm": dict(two_norm, refit="none"),
         "2-norm + v refit": dict(two_norm, refit="v"),
         "best": dict(kv_budget=budget) if search else dict(d_kv=d_kv),  # convert_model's defaults = default recipe
+        "best, per-layer split": dict(kv_budget=budget, per_layer_split=True) if per_layer else None,
     }
 
 
@@ -64,8 +69,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--recovery-steps", default="10,25,50")
     parser.add_argument("--recovery-budget", type=int, default=72)
-    parser.add_argument("--search", default="72", help="budgets where `best` runs the split search "
+    parser.add_argument("--search", default="48,72,120", help="budgets where `best` runs the split search "
                         "(elsewhere it uses the default recipe's RoPE share)")
+    parser.add_argument("--per-layer", default="120", help="budgets with a per-layer-split row")
     parser.add_argument("--part", default="all", choices=["all", "budgets", "recovery"])
     args = parser.parse_args()
     print(f"torch threads: {torch.get_num_threads()}")
@@ -78,8 +84,10 @@ def main() -> None:
         seconds = time.perf_counter() - start
         ppl = perplexity(mla, tok, windows=args.windows, progress=False)["ppl"]
         c = mla.config
-        print(f"{name:>16}: ppl {ppl:10.1f}  {seconds:6.1f} s  ({c.kv_elements_per_token_per_layer} values: "
-              f"{c.rope_layout} rope dims {c.n_rope_heads * 2 * c.rope_pairs}, latent {c.latent_dim})", flush=True)
+        rope_dims = [c.n_rope_heads * 2 * r for r in c.layer_rope_pairs or [c.rope_pairs]]
+        print(f"{name:>21}: ppl {ppl:10.1f}  {seconds:6.1f} s  ({c.kv_elements_per_token_per_layer} values: "
+              f"{c.rope_layout} rope dims {'/'.join(map(str, rope_dims))}, latent "
+              f"{'/'.join(map(str, c.layer_latent_dims or [c.latent_dim]))})", flush=True)
         return mla, ppl, seconds
 
     if args.part in ("all", "budgets"):
@@ -87,19 +95,23 @@ def main() -> None:
         table = {}
         for budget in budgets:
             print(f"budget {budget}:", flush=True)
-            for name, kw in configs(budget, str(budget) in args.search.split(",")).items():
-                table[(name, budget)] = convert(name, kw)[1:]
+            listed = configs(budget, str(budget) in args.search.split(","), str(budget) in args.per_layer.split(","))
+            for name, kw in listed.items():
+                if kw is not None:
+                    table[(name, budget)] = convert(name, kw)[1:]
         print("\n| conversion | " + " | ".join(f"{b} (−{100 * (1 - b / 384):.2f} %)" for b in budgets) + " |")
         print("|---|" + "---|" * len(budgets))
-        for name in configs(budgets[0], False):
-            cells = [f"{table[(name, b)][0]:,.1f} ({table[(name, b)][1]:.0f} s)" for b in budgets]
-            print(f"| {name} | " + " | ".join(cells) + " |")
+        for name in configs(budgets[0], False, False):
+            cells = [f"{table[(name, b)][0]:,.1f} ({table[(name, b)][1]:.0f} s)" if (name, b) in table else "–"
+                     for b in budgets]
+            if any(cell != "–" for cell in cells):
+                print(f"| {name} | " + " | ".join(cells) + " |")
 
     if args.part in ("all", "recovery"):
         steps = list(map(int, args.recovery_steps.split(",")))
         curve = {}
         for name in ("paper", "best"):
-            kw = configs(args.recovery_budget, False)[name]
+            kw = configs(args.recovery_budget, False, False)[name]
             mla, ppl, _ = convert(name, kw)
             evals = EvalAt(steps, tok, args.windows, name)
             with tempfile.TemporaryDirectory() as out:

@@ -24,6 +24,16 @@ def ids_for(seed=1):
     return torch.randint(3, 49152, (2, 24), generator=torch.Generator().manual_seed(seed))
 
 
+def decode_steps(mla, ids, prefill: int):
+    """Logits of a prefill of `prefill` tokens then one cached step per token, and the cache."""
+    out = mla(ids[:, :prefill], use_cache=True)
+    name = "cache" if hasattr(out, "cache") else "past_key_values"
+    cache, steps = getattr(out, name), [out.logits]
+    for t in range(prefill, ids.shape[1]):
+        steps.append(mla(ids[:, t:t + 1], **{name: cache}, use_cache=True).logits)
+    return torch.cat(steps, 1), cache
+
+
 @pytest.mark.parametrize("family,n_kv", [("llama", 2), ("llama", 4), ("qwen2", 2)])
 def test_pca_rotation_nothing_dropped_is_exact(family, n_kv, tokenizer, wiki_dir):
     src = tiny_source(family, vocab=49152, n_kv=n_kv)
@@ -41,13 +51,8 @@ def test_pca_cached_decoding_matches_full_forward(tokenizer, wiki_dir):
     mla, _ = convert_model((src, tokenizer), d_kv=8, rope_pairs=4, rope_strategy="pca", freq_fold=2,
                            calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32, progress=False)
     ids = ids_for()
-    full = mla(ids).logits
-    out = mla(ids[:, :16], use_cache=True)
-    cache, steps = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits]
-    for t in range(16, 24):
-        steps.append(mla(ids[:, t:t + 1], **{"cache" if hasattr(out, "cache") else "past_key_values": cache},
-                         use_cache=True).logits)
-    assert (torch.cat(steps, 1) - full).abs().max().item() <= TOL
+    stepped, cache = decode_steps(mla, ids, 16)
+    assert (stepped - mla(ids).logits).abs().max().item() <= TOL
     assert cache.numel() == 2 * 2 * 24 * (2 * 8 + 2 * 4)  # layers × batch × tokens × (latent + shared RoPE)
 
 
@@ -96,3 +101,59 @@ def test_kv_balance_auto_is_chosen_on_held_in_text(tokenizer, wiki_dir):
     assert mla.config.conversion["kv_balance"] == best["kv_balance"]
     losses = {t["kv_balance"]: t["held_in_loss"] for t in tried}
     assert len(set(losses.values())) == 3  # the balance really changes the factorisation
+
+
+@pytest.mark.parametrize("layout", ["shared", "per_head"])
+def test_layers_with_their_own_split_decode_exactly(layout):
+    from mha2mla.modeling import MLAConfig, MLAForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MLAConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, rope_layout=layout, layer_rope_pairs=[1, 3, 2],
+                    layer_latent_dims=[10, 6, 8], initializer_range=0.1)
+    mla = MLAForCausalLM(cfg).eval()
+    widths = [attn.kv_down.out_features for attn in (layer.self_attn for layer in mla.model.layers)]
+    assert widths == [10, 6, 8]
+    assert [layer.self_attn.d_nope for layer in mla.model.layers] == ([16] * 3 if layout == "shared" else [14, 10, 12])
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        stepped, cache = decode_steps(mla, ids, 12)
+        assert (stepped - mla(ids).logits).abs().max().item() <= TOL
+    n_rope = cfg.n_rope_heads
+    per_token = sum(cfg.layer_latent_dims[i] + n_rope * 2 * cfg.layer_rope_pairs[i] for i in range(3))
+    assert cache.numel() == 2 * 20 * per_token
+    assert cfg.kv_elements_per_token_per_layer == per_token / 3
+
+
+@pytest.mark.parametrize("strategy", ["pca", "2-norm"])
+def test_per_layer_split_meets_the_budget_in_every_layer(strategy, tokenizer, wiki_dir, tmp_path):
+    from mha2mla.convert import budget_candidates
+    from mha2mla.evaluate.kv_memory import kv_size_of
+
+    src = tiny_source("llama", vocab=49152, n_kv=2, layers=3)
+    budget = 40
+    mla, _ = convert_model((src, tokenizer), tmp_path / "mla", kv_budget=budget, rope_strategy=strategy,
+                           per_layer_split=True, calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
+                           progress=False)
+    c = mla.config
+    options = budget_candidates(src.config, budget, strategy)
+    assert len(options) >= 2 and len(c.layer_rope_pairs) == len(c.layer_latent_dims) == 3
+    assert all(split in options for split in zip(c.layer_rope_pairs, c.layer_latent_dims))
+    assert [c.kv_elements_at(i) for i in range(3)] == [budget] * 3
+    assert kv_size_of(tmp_path / "mla")["kv_elements_per_token_per_layer"] == budget
+    ids = ids_for()
+    torch.save(ids, tmp_path / "ids.pt")
+    script = ("import torch\nfrom transformers import AutoModelForCausalLM\n"
+              f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'mla')!r}, trust_remote_code=True)\n"
+              f"torch.save(m(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'out.pt')!r})\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (torch.load(tmp_path / "out.pt") - mla(ids).logits).abs().max().item() == 0.0
+
+
+def test_per_layer_split_needs_a_budget(tokenizer, wiki_dir):
+    from mha2mla.errors import UserError
+
+    with pytest.raises(UserError, match="--kv-budget"):
+        convert_model((tiny_source("llama", vocab=49152), tokenizer), d_kv=4, per_layer_split=True,
+                      calib_data=[wiki_dir], calib_samples=2, calib_seq_len=32, progress=False)

@@ -111,7 +111,7 @@ def test_absorbed_path_equals_expanded_path(variant, queries):
     g = torch.Generator().manual_seed(3)
     q_nope = torch.randn(B, H, queries, attn.d_nope, generator=g)
     q_rope = torch.randn(B, H, queries, attn.d_rope, generator=g)
-    c_kv = torch.randn(B, 1, S, cfg.kv_latent_dim, generator=g)
+    c_kv = torch.randn(B, 1, S, cfg.latent_dim, generator=g)
     k_rope = torch.randn(B, cfg.n_rope_heads, S, attn.d_rope, generator=g)
     padding = torch.ones(B, S, dtype=torch.long)
     padding[1, :7] = 0
@@ -257,7 +257,7 @@ def test_quantized_cache_bytes_match_formula(bits):
     for _ in range(new):
         logits = forward(model, logits.argmax(-1, keepdim=True), cache)
     T, residual = prompt + new, cfg.kv_residual
-    latent, r2, n_rope = cfg.kv_latent_dim, 2 * cfg.rope_pairs, cfg.n_rope_heads
+    latent, r2, n_rope = cfg.latent_dim, 2 * cfg.rope_pairs, cfg.n_rope_heads
     # codes + fp16 scale and zero per group: c_kv in groups of 4 (16 values → 4 groups), k_rope one
     # group of 2r = 4 per RoPE head
     per_token = latent * bits / 8 + (latent // 4) * 2 * 2 + n_rope * (r2 * bits / 8 + 1 * 2 * 2)

@@ -27,8 +27,8 @@ def model_card(config) -> str:
         "only the latent `c_kv` and the RoPE keys.", "",
         "| setting | value |", "|---|---|",
         f"| source | {config.source_model} ({config.source_family}) |",
-        f"| d_kv (latent per KV head) | {config.d_kv} |",
-        f"| rope_pairs (r) | {config.rope_pairs} ({config.rope_layout}) |",
+        f"| latent c_kv | {config.layer_latent_dims or config.latent_dim} |",
+        f"| rope_pairs (r) | {config.layer_rope_pairs or config.rope_pairs} ({config.rope_layout}) |",
         f"| rope strategy | {conv.get('rope_strategy', '?')} |",
         f"| low-rank | {config.svd}, {conv.get('init', '?')} init, refit {conv.get('refit', 'none')} |",
     ]

@@ -40,7 +40,7 @@ def cmd_convert(args) -> None:
         rope_strategy=args.rope_strategy or recipe["rope_strategy"], svd=args.svd,
         init=args.init or recipe["init"], sequential=recipe["sequential"], refit=args.refit or recipe["refit"],
         kv_budget=args.kv_budget, kv_reduction=args.kv_reduction, freq_fold=args.freq_fold or recipe["freq_fold"],
-        kv_balance=args.kv_balance, as_mha=args.as_mha, calib_data=args.calib_data, calib_samples=args.calib_samples,
+        kv_balance=args.kv_balance, per_layer_split=args.per_layer_split, as_mha=args.as_mha, calib_data=args.calib_data, calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len, overwrite=args.overwrite)
     report = dict(model.config.conversion)
     report["out"] = str(args.out)
@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget", type=int, default=None,
                    help="cached values per token per layer; the converter picks the RoPE/latent split")
     p.add_argument("--kv-reduction", type=float, default=None, help="KV-cache reduction in %% (instead of a budget)")
+    p.add_argument("--per-layer-split", action="store_true",
+                   help="with a budget: each layer picks its own RoPE/latent split by its attention-output error "
+                        "on the calibration text (instead of one split for all layers)")
     p.add_argument("--rope-strategy", default=None, choices=["high", "low", "uniform", "2-norm", "pca"])
     p.add_argument("--freq-fold", type=int, default=None, help="pca: adjacent frequencies folded into one PCA")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])

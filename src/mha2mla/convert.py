@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from .evaluate.kv_memory import kv_report, source_elements_per_token_per_layer
 from .expand import expand_to_mha
 from .lowrank import cholesky_factor, joint_factors, key_row_weight, second_moment, value_row_weight
 from .modeling import MLAConfig, MLAForCausalLM
+from .modeling.modeling_mla import MLAAttention
 from .partial_rope import STRATEGIES, check_rope_pairs, select_pairs, split_dims
 from .refit import REFITS, refit_outputs
 from .rope_pca import pca_basis, query_rows
@@ -52,6 +54,10 @@ RECIPES = {
 # 881: its attention differs too much from the source's for the o_proj regression to transfer).
 DEFAULT_REFIT = {"pca": "vo", "per_head": "v"}
 ROPE_SHARE = 1 / 3  # default share of a pca budget spent on the shared RoPE key (measured: 24 of 72 best)
+# Shares of a budget the split search gives RoPE. On SmolLM2-135M 24 RoPE dims were best at 72 (of
+# 8/12/18/24/36) and at 120 (ppl 144 against 199 with 16 and 206 with 40); a half was never best.
+# Four candidates keep the search of SmolLM2-135M under 10 minutes on 2 cores.
+ROPE_SHARES = (1 / 8, 1 / 5, 1 / 4, 1 / 3)
 HELD_IN_BLOCKS = 4
 AUTO_BALANCES = (0.25, 1.0, 4.0)  # K/V balances β tried by --kv-balance auto
 
@@ -94,7 +100,7 @@ def mla_config_for(c, *, rope_pairs: int, latent_dim: int, rope_layout: str, svd
         rope_theta=(getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", None)),
         rope_inv_freq=inv_freq, rope_attention_scaling=scaling, d_kv=latent_dim // c.num_key_value_heads,
         latent_dim=latent_dim, rope_pairs=rope_pairs, kept_pairs=kept_pairs, rope_layout=rope_layout,
-        d_nope=head_dim_of(c) if rope_layout == "shared" else None, svd=svd, source_model=source_name,
+        svd=svd, source_model=source_name,
         source_family=family, pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id,
         eos_token_id=c.eos_token_id)
 
@@ -218,7 +224,7 @@ def validate(config, latent: int, rope_pairs: int, rope_strategy: str, svd: str,
 
 
 def budget_candidates(config, budget: int, strategy: str) -> list[tuple[int, int]]:
-    """(rope_pairs, latent_dim) splits of a cache budget worth trying, the RoPE share from 1/9 to 1/2."""
+    """(rope_pairs, latent_dim) splits of a cache budget worth trying: ROPE_SHARES of it for RoPE."""
     n_kv, d_h = config.num_key_value_heads, head_dim_of(config)
     source = source_elements_per_token_per_layer(config)
     n_rope = 1 if strategy == "pca" else n_kv
@@ -227,7 +233,7 @@ def budget_candidates(config, budget: int, strategy: str) -> list[tuple[int, int
         raise UserError(f"--kv-budget {budget} is out of range: use {smallest} … {source - 1} values per token "
                         f"per layer (the source caches {source})")
     options = []
-    for share in (1 / 9, 1 / 6, 1 / 4, 1 / 3, 1 / 2):
+    for share in ROPE_SHARES:
         r = max(1, round(budget * share / (2 * n_rope)))
         if strategy != "pca":
             r = min(r, d_h // 2)
@@ -250,7 +256,7 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
                   rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
                   kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 2,
                   kv_balance: float | str = 1.0, sequential: bool = True, refit: str | None = None,
-                  as_mha: bool = False, calib_data=None,
+                  per_layer_split: bool = False, as_mha: bool = False, calib_data=None,
                   calib_samples: int = 16, calib_seq_len: int = 512, overwrite: bool = False,
                   progress: bool = True):
     """Convert `source` (path/alias or a (model, tokenizer) tuple) to MLA → (MLAForCausalLM, tokenizer).
@@ -265,7 +271,9 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
     weights value errors against key errors in the joint factorisation; "auto" tries AUTO_BALANCES
     and keeps the best by held-in loss (with the split search when there is one). `refit`: "v"
     re-fits v_up, "vo" v_up then o_proj, to the source's attention output (refit); "none" keeps the
-    factorisation's own; None: DEFAULT_REFIT for the RoPE strategy.
+    factorisation's own; None: DEFAULT_REFIT for the RoPE strategy. `per_layer_split` (with a
+    budget): every layer picks its own split among the budget's candidates, by the error of its
+    attention output on the calibration inputs (convert_once), instead of one split for all layers.
     """
     start = time.perf_counter()
     if out is not None:
@@ -306,7 +314,10 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
             raise UserError(f"--kv-balance {kv_balance} is not a number or 'auto'") from None
         if balances[0] <= 0:
             raise UserError(f"--kv-balance must be positive (got {kv_balance})")
-    candidates = [(r, latent, b) for r, latent in candidates for b in balances]
+    if per_layer_split and kv_budget is None:
+        raise UserError("--per-layer-split needs a budget to split: add --kv-budget N or --kv-reduction P")
+    plans = [tuple(candidates)] if per_layer_split else [((r, latent),) for r, latent in candidates]
+    candidates = [(plan, b) for plan in plans for b in balances]
     n_blocks = calib_samples + (HELD_IN_BLOCKS if len(candidates) > 1 else 0)
     blocks = pack_blocks(tokenizer, calib_data or [default_train_text()], calib_seq_len, n_blocks,
                          what="calibration text")
@@ -317,23 +328,27 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
     settings = dict(rope_strategy=rope_strategy, svd=svd, init=init, freq_fold=freq_fold,
                     sequential=sequential, refit=refit, source_name=source_name, progress=progress)
     if len(candidates) == 1:
-        r, latent, balance = candidates[0]
-        mla, tried = convert_once(model, calib, r, latent, kv_balance=balance, **settings), []
+        plan, balance = candidates[0]
+        mla, tried = convert_once(model, calib, list(plan), kv_balance=balance, **settings), []
     else:
         tried, best = [], None
-        for r, latent, balance in candidates:
-            mla_try = convert_once(model, calib, r, latent, kv_balance=balance, **settings)
+        for plan, balance in candidates:
+            mla_try = convert_once(model, calib, list(plan), kv_balance=balance, **settings)
             loss = held_in_loss(mla_try, held_in)
-            tried.append({"rope_pairs": r, "latent_dim": latent, "kv_balance": balance, "held_in_loss": loss})
-            print(f"  candidate: rope dims {mla_try.config.n_rope_heads * 2 * r}, latent {latent}, K/V balance "
-                  f"{balance:g} → held-in loss {loss:.4f}", file=sys.stderr)
+            c = mla_try.config
+            split = ({"rope_pairs": c.layer_rope_pairs, "latent_dim": c.layer_latent_dims} if len(plan) > 1
+                     else {"rope_pairs": c.rope_pairs, "latent_dim": c.latent_dim})
+            tried.append({**split, "kv_balance": balance, "held_in_loss": loss})
+            what = "per layer" if len(plan) > 1 else f"rope dims {c.n_rope_heads * 2 * c.rope_pairs}, latent {c.latent_dim}"
+            print(f"  candidate: {what}, K/V balance {balance:g} → held-in loss {loss:.4f}", file=sys.stderr)
             if best is None or loss < best[0]:
                 best = (loss, balance, mla_try)
         _, kv_balance, mla = best
     mla.generation_config = model.generation_config
     mla.config.conversion = {
         "rope_strategy": rope_strategy, "init": init, "svd": svd, "freq_fold": freq_fold, "as_mha": as_mha,
-        "sequential": sequential, "refit": refit, "kv_balance": kv_balance, "calib_samples": len(calib),
+        "sequential": sequential, "refit": refit, "kv_balance": kv_balance, "per_layer_split": per_layer_split,
+        "calib_samples": len(calib),
         "calib_seq_len": calib_seq_len, "budget_candidates": tried, "seconds": time.perf_counter() - start,
         "kv": kv_report(mla.config, dtype_bytes=mla.dtype.itemsize,
                         original_config=original_config if as_mha else None),
@@ -344,38 +359,74 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
 
 
 @torch.no_grad()
-def convert_once(model, blocks, rope_pairs: int, latent: int, *, rope_strategy: str, svd: str, init: str,
+def attention_error(mla_attn, inputs: list[torch.Tensor], targets: list[torch.Tensor], causal: torch.Tensor,
+                    position_ids: torch.Tensor) -> float:
+    """Relative squared error Σ‖o_mla − o_src‖² / Σ‖o_src‖² of the MLA attention block's output against
+    the source's (`targets`) on the layer's calibration inputs: the per-layer split's objective."""
+    err = total = 0.0
+    for x, target in zip(inputs, targets):
+        got = mla_attn(x, position_ids.expand(x.shape[0], -1), causal)
+        err += (got - target).double().pow(2).sum().item()
+        total += target.double().pow(2).sum().item()
+    return err / total
+
+
+@torch.no_grad()
+def convert_once(model, blocks, splits: list[tuple[int, int]], *, rope_strategy: str, svd: str, init: str,
                  freq_fold: int, kv_balance: float, sequential: bool, refit: str, source_name: str,
                  progress: bool):
-    """One conversion at a fixed (rope_pairs, latent_dim)."""
+    """One conversion. With one (rope_pairs, latent_dim) split every layer uses it; with several,
+    each layer takes the split whose attention output is closest to the source's on its calibration
+    inputs (attention_error, before any refit), and the config lists the split of every layer."""
     config = model.config
     n_heads, n_kv, d_h = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
+    n_layers = config.num_hidden_layers
     shared = rope_strategy == "pca"
     rotary = model.model.rotary_emb
     inv_freq = rotary.inv_freq.tolist()
-    placeholder = [[[i % (d_h // 2) for i in range(rope_pairs)]] * (1 if shared else n_kv)] * config.num_hidden_layers
+    rope_pairs, latent = splits[0]
+    placeholder = [[[i % (d_h // 2) for i in range(rope_pairs)]] * (1 if shared else n_kv)] * n_layers
     mla = MLAForCausalLM(mla_config_for(
         config, rope_pairs=rope_pairs, latent_dim=latent, rope_layout="shared" if shared else "per_head", svd=svd,
         kept_pairs=placeholder, inv_freq=inv_freq, scaling=float(getattr(rotary, "attention_scaling", 1.0)),
         source_name=source_name)).to(model.dtype).eval()
+    if len(splits) > 1:
+        mla.config.layer_rope_pairs, mla.config.layer_latent_dims = [rope_pairs] * n_layers, [latent] * n_layers
     kept_all = []
     seq = blocks.shape[1]
     position_ids = torch.arange(seq)[None]
     causal = torch.full((seq, seq), torch.finfo(model.dtype).min, dtype=model.dtype).triu(1)[None, None]
     rope = rotary(model.model.embed_tokens.weight[:1][None], position_ids)
 
-    def on_layer(idx, stats):
-        src, layer = model.model.layers[idx], mla.model.layers[idx]
+    def build(idx, src, stats, r, width):
+        """A fresh MLA attention for layer idx at split (r, width), converted from the source's."""
+        if len(splits) > 1:
+            mla.config.layer_rope_pairs[idx], mla.config.layer_latent_dims[idx] = r, width
+        attn = MLAAttention(mla.config, idx).to(model.dtype)
         if shared:
             e_kk = second_moment(src.self_attn.k_proj.weight, src.self_attn.k_proj.bias, stats.cov, stats.mean)
             e_qq = second_moment(src.self_attn.q_proj.weight, src.self_attn.q_proj.bias, stats.cov, stats.mean)
-            choice = pca_basis(e_kk, e_qq, n_heads, n_kv, d_h, rope_pairs, freq_fold, inv_freq, seq)
+            choice = pca_basis(e_kk, e_qq, n_heads, n_kv, d_h, r, freq_fold, inv_freq, seq)
             kept = [choice.freq_index]
         else:
-            choice = kept = select_pairs(rope_strategy, rope_pairs, d_h, n_kv, stats.q_norm, stats.k_norm)
+            choice = kept = select_pairs(rope_strategy, r, d_h, n_kv, stats.q_norm, stats.k_norm)
+        attn.set_rope_pairs(kept, inv_freq)
+        convert_layer(src.self_attn, attn, choice, stats, width, svd, init, kv_balance, shared)
+        return attn, kept
+
+    def on_layer(idx, stats):
+        src, layer = model.model.layers[idx], mla.model.layers[idx]
+        tried = []
+        if len(splits) > 1:
+            targets = [src.self_attn(x, position_embeddings=rope, attention_mask=causal)[0] for x in stats.inputs]
+        for r, width in splits:
+            attn, kept = build(idx, src, stats, r, width)
+            error = attention_error(attn, stats.inputs, targets, causal, position_ids) if len(splits) > 1 else 0.0
+            tried.append((error, r, width, attn, kept))
+        _, r, width, layer.self_attn, kept = min(tried, key=lambda t: t[0])
+        if len(splits) > 1:
+            mla.config.layer_rope_pairs[idx], mla.config.layer_latent_dims[idx] = r, width
         kept_all.append(kept)
-        layer.self_attn.set_rope_pairs(kept, inv_freq)
-        convert_layer(src.self_attn, layer.self_attn, choice, stats, latent, svd, init, kv_balance, shared)
         if refit != "none":
             refit_outputs(src.self_attn, layer.self_attn, stats.inputs, rope, causal, position_ids,
                           o_proj=refit == "vo")
@@ -386,6 +437,10 @@ def convert_once(model, blocks, rope_pairs: int, latent: int, *, rope_strategy: 
 
     calibrate(model, blocks, on_layer, progress=progress)
     mla.config.kept_pairs = kept_all
+    if len(splits) > 1:  # the scalars name the most common split
+        counts = Counter(zip(mla.config.layer_rope_pairs, mla.config.layer_latent_dims))
+        mla.config.rope_pairs, mla.config.latent_dim = counts.most_common(1)[0][0]
+        mla.config.d_kv = mla.config.latent_dim // n_kv
     copy_outer(model, mla)
     if mla.config.tie_word_embeddings:
         mla.tie_weights()

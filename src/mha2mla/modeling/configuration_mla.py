@@ -9,12 +9,15 @@ optional q/k/v bias, optional sliding window); its fields keep their source name
   lists them as indices into `rope_inv_freq` (the source's own frequencies, scaling included).
 * `rope_layout`: "per_head" (one RoPE key of 2r dims per KV head, the paper's partial RoPE) or
   "shared" (one RoPE key of 2r dims shared by every query head, DeepSeek's k_pe layout).
-* `d_nope`: per-head width of the position-free query/key part (d_h − 2r for "per_head").
+* `layer_rope_pairs`, `layer_latent_dims`: per-layer values of r and latent_dim where a conversion
+  split each layer's budget on its own (None: every layer uses `rope_pairs` and `latent_dim`).
+* the position-free query/key part of a head has d_h − 2r dims ("per_head") or d_h ("shared").
 * `svd`: "joint" (K and V read the whole latent) or "split" (each reads its own half).
 * `kv_bits`: default bit width of the latent cache (16 = unquantized, 4 or 2 = packed integers with
   `kv_residual` recent tokens kept in full precision, groups of `kv_group_size` values).
 
-KV cache per token per layer = latent_dim + n_rope_heads·2r values.
+KV cache per token of layer i = latent_dim_i + n_rope_heads·2r_i values; `kv_elements_per_token_per_layer`
+is their mean over layers.
 """
 
 from transformers import PretrainedConfig
@@ -51,7 +54,8 @@ class MLAConfig(PretrainedConfig):
         rope_pairs=4,
         kept_pairs=None,
         rope_layout="per_head",
-        d_nope=None,
+        layer_rope_pairs=None,
+        layer_latent_dims=None,
         svd="joint",
         kv_bits=16,
         kv_residual=128,
@@ -87,11 +91,11 @@ class MLAConfig(PretrainedConfig):
         self.latent_dim = latent_dim or num_key_value_heads * d_kv
         self.rope_pairs = rope_pairs
         self.rope_layout = rope_layout
+        self.layer_rope_pairs = layer_rope_pairs
+        self.layer_latent_dims = layer_latent_dims
         n_rope_heads = num_key_value_heads if rope_layout == "per_head" else 1
-        self.kept_pairs = kept_pairs or [[list(range(half - rope_pairs, half))] * n_rope_heads
-                                         for _ in range(num_hidden_layers)]
-        self.d_nope = d_nope if d_nope is not None else (
-            self.head_dim - 2 * rope_pairs if rope_layout == "per_head" else self.head_dim)
+        self.kept_pairs = kept_pairs or [[list(range(half - self.rope_pairs_at(i), half))] * n_rope_heads
+                                         for i in range(num_hidden_layers)]
         self.svd = svd
         self.kv_bits = kv_bits
         self.kv_residual = kv_residual
@@ -105,10 +109,20 @@ class MLAConfig(PretrainedConfig):
     def n_rope_heads(self) -> int:
         return self.num_key_value_heads if self.rope_layout == "per_head" else 1
 
-    @property
-    def kv_latent_dim(self) -> int:
-        return self.latent_dim
+    def rope_pairs_at(self, layer: int) -> int:
+        return self.layer_rope_pairs[layer] if self.layer_rope_pairs else self.rope_pairs
+
+    def latent_dim_at(self, layer: int) -> int:
+        return self.layer_latent_dims[layer] if self.layer_latent_dims else self.latent_dim
+
+    def d_nope_at(self, layer: int) -> int:
+        return self.head_dim - 2 * self.rope_pairs_at(layer) if self.rope_layout == "per_head" else self.head_dim
+
+    def kv_elements_at(self, layer: int) -> int:
+        return self.latent_dim_at(layer) + self.n_rope_heads * 2 * self.rope_pairs_at(layer)
 
     @property
-    def kv_elements_per_token_per_layer(self) -> int:
-        return self.kv_latent_dim + self.n_rope_heads * 2 * self.rope_pairs
+    def kv_elements_per_token_per_layer(self) -> float:
+        per_layer = [self.kv_elements_at(i) for i in range(self.num_hidden_layers)]
+        mean = sum(per_layer) / len(per_layer)
+        return int(mean) if mean == int(mean) else mean

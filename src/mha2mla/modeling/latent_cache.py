@@ -5,7 +5,7 @@ Per layer it stores two tensors and nothing else:
     c_kv    [batch, 1, tokens, n_kv·d_kv]        the joint latent (shared by every query head)
     k_rope  [batch, n_rope_heads, tokens, 2r]    the RoPE'd key part
 
-so a token costs n_kv·d_kv + n_rope_heads·2r values per layer, against 2·n_kv·d_h for an MHA/GQA
+so a token costs latent_dim + n_rope_heads·2r values per layer (both may differ between layers), against 2·n_kv·d_h for an MHA/GQA
 cache. Full keys and values are never stored; the attention rebuilds them transiently or, when
 decoding, never (weight absorption in modeling_mla).
 
@@ -231,13 +231,17 @@ def quantized_bytes_per_token(width: int, bits: int, group_size: int) -> float:
 
 
 def kv_bytes_per_token_per_layer(config, bits: int = 16, dtype_bytes: int = 2) -> float:
-    """Cache bytes per token and layer at long context (the full-precision residual window excluded).
+    """Cache bytes per token and layer (mean over layers) at long context (the full-precision
+    residual window excluded).
 
-    c_kv is quantized as one vector of n_kv·d_kv values per token, k_rope as one vector of 2r values
+    c_kv is quantized as one vector of latent_dim values per token, k_rope as one vector of 2r values
     per RoPE head and token (the layouts the cache stores).
     """
-    latent, rope = config.kv_latent_dim, 2 * config.rope_pairs
-    if bits == 16:
-        return (latent + config.n_rope_heads * rope) * dtype_bytes
-    return (quantized_bytes_per_token(latent, bits, config.kv_group_size)
-            + config.n_rope_heads * quantized_bytes_per_token(rope, bits, config.kv_group_size))
+    def layer_bytes(i: int) -> float:
+        latent, rope = config.latent_dim_at(i), 2 * config.rope_pairs_at(i)
+        if bits == 16:
+            return (latent + config.n_rope_heads * rope) * dtype_bytes
+        return (quantized_bytes_per_token(latent, bits, config.kv_group_size)
+                + config.n_rope_heads * quantized_bytes_per_token(rope, bits, config.kv_group_size))
+
+    return sum(layer_bytes(i) for i in range(config.num_hidden_layers)) / config.num_hidden_layers

@@ -115,10 +115,10 @@ class MLAAttention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
         self.n_rope = config.n_rope_heads
-        self.head_dim, self.d_nope = config.head_dim, config.d_nope
-        self.d_rope = 2 * config.rope_pairs
+        self.head_dim, self.d_nope = config.head_dim, config.d_nope_at(layer_idx)
+        self.d_rope = 2 * config.rope_pairs_at(layer_idx)
         self.scaling = config.head_dim**-0.5
-        latent = config.kv_latent_dim
+        latent = config.latent_dim_at(layer_idx)
         if config.svd == "split":
             self.k_latent, self.v_latent = slice(0, latent // 2), slice(latent // 2, latent)
         else:
