@@ -40,8 +40,9 @@ def cmd_convert(args) -> None:
         rope_strategy=args.rope_strategy or recipe["rope_strategy"], svd=args.svd,
         init=args.init or recipe["init"], sequential=recipe["sequential"], refit=args.refit or recipe["refit"],
         kv_budget=args.kv_budget, kv_reduction=args.kv_reduction, freq_fold=args.freq_fold or recipe["freq_fold"],
-        kv_balance=args.kv_balance, per_layer_split=args.per_layer_split, as_mha=args.as_mha, calib_data=args.calib_data, calib_samples=args.calib_samples,
-        calib_seq_len=args.calib_seq_len, overwrite=args.overwrite)
+        kv_balance=args.kv_balance, per_layer_split=args.per_layer_split, as_mha=args.as_mha,
+        calib_data=args.calib_data, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
+        overwrite=args.overwrite)
     report = dict(model.config.conversion)
     report["out"] = str(args.out)
     _emit(report, args.json, lambda r: (print(f"wrote {r['out']}"), _print_kv(r["kv"]),

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 import sys
-from collections import Counter
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -398,15 +398,13 @@ def convert_once(model, blocks, splits: list[tuple[int, int]], *, rope_strategy:
     causal = torch.full((seq, seq), torch.finfo(model.dtype).min, dtype=model.dtype).triu(1)[None, None]
     rope = rotary(model.model.embed_tokens.weight[:1][None], position_ids)
 
-    def build(idx, src, stats, r, width):
+    def build(idx, src, stats, moments, r, width):
         """A fresh MLA attention for layer idx at split (r, width), converted from the source's."""
         if len(splits) > 1:
             mla.config.layer_rope_pairs[idx], mla.config.layer_latent_dims[idx] = r, width
         attn = MLAAttention(mla.config, idx).to(model.dtype)
         if shared:
-            e_kk = second_moment(src.self_attn.k_proj.weight, src.self_attn.k_proj.bias, stats.cov, stats.mean)
-            e_qq = second_moment(src.self_attn.q_proj.weight, src.self_attn.q_proj.bias, stats.cov, stats.mean)
-            choice = pca_basis(e_kk, e_qq, n_heads, n_kv, d_h, r, freq_fold, inv_freq, seq)
+            choice = pca_basis(*moments, n_heads, n_kv, d_h, r, freq_fold, inv_freq, seq)
             kept = [choice.freq_index]
         else:
             choice = kept = select_pairs(rope_strategy, r, d_h, n_kv, stats.q_norm, stats.k_norm)
@@ -416,11 +414,14 @@ def convert_once(model, blocks, splits: list[tuple[int, int]], *, rope_strategy:
 
     def on_layer(idx, stats):
         src, layer = model.model.layers[idx], mla.model.layers[idx]
-        tried = []
+        tried, moments = [], None
+        if shared:  # E[k kᵀ], E[q qᵀ] of the source on this layer's inputs, for every split's PCA
+            moments = tuple(second_moment(proj.weight, proj.bias, stats.cov, stats.mean)
+                            for proj in (src.self_attn.k_proj, src.self_attn.q_proj))
         if len(splits) > 1:
             targets = [src.self_attn(x, position_embeddings=rope, attention_mask=causal)[0] for x in stats.inputs]
         for r, width in splits:
-            attn, kept = build(idx, src, stats, r, width)
+            attn, kept = build(idx, src, stats, moments, r, width)
             error = attention_error(attn, stats.inputs, targets, causal, position_ids) if len(splits) > 1 else 0.0
             tried.append((error, r, width, attn, kept))
         _, r, width, layer.self_attn, kept = min(tried, key=lambda t: t[0])

@@ -5,9 +5,9 @@ Per layer it stores two tensors and nothing else:
     c_kv    [batch, 1, tokens, n_kv·d_kv]        the joint latent (shared by every query head)
     k_rope  [batch, n_rope_heads, tokens, 2r]    the RoPE'd key part
 
-so a token costs latent_dim + n_rope_heads·2r values per layer (both may differ between layers), against 2·n_kv·d_h for an MHA/GQA
-cache. Full keys and values are never stored; the attention rebuilds them transiently or, when
-decoding, never (weight absorption in modeling_mla).
+so a token costs latent_dim + n_rope_heads·2r values per layer (both may differ between layers),
+against 2·n_kv·d_h for an MHA/GQA cache. Full keys and values are never stored; the attention
+rebuilds them transiently or, when decoding, never (weight absorption in modeling_mla).
 
 Unquantized, each tensor lives in a buffer with up to GROW_TOKENS spare token rows: a decode step
 writes one row instead of copying the whole layer cache (what torch.cat in DynamicLayer does, O(T)
@@ -238,9 +238,9 @@ def kv_bytes_per_token_per_layer(config, bits: int = 16, dtype_bytes: int = 2) -
     per RoPE head and token (the layouts the cache stores).
     """
     def layer_bytes(i: int) -> float:
-        latent, rope = config.latent_dim_at(i), 2 * config.rope_pairs_at(i)
         if bits == 16:
-            return (latent + config.n_rope_heads * rope) * dtype_bytes
+            return config.kv_elements_at(i) * dtype_bytes
+        latent, rope = config.latent_dim_at(i), 2 * config.rope_pairs_at(i)
         return (quantized_bytes_per_token(latent, bits, config.kv_group_size)
                 + config.n_rope_heads * quantized_bytes_per_token(rope, bits, config.kv_group_size))
 
