@@ -76,6 +76,7 @@ def test_eval_ppl_json(tiny_dir, tmp_path):
     (["--kv-balance", "-1"], "--kv-balance"),
     (["--kv-reduction", "150"], "--kv-reduction"),
     (["--calib-samples", "0"], "--calib-samples"),
+    (["--per-layer-split"], "--kv-budget"),
 ])
 def test_bad_options(tiny_dir, wiki_dir, tmp_path, args, needle):
     out = tmp_path / "out"
