@@ -10,12 +10,16 @@ Budgets 48 / 72 / 120 cached values per token per layer (−87.5 / −81.25 / �
            on held-in text (candidates logged on stderr), elsewhere a third of the budget goes to RoPE
   best, per-layer split   the same with --per-layer-split (each layer picks its own split by its
            attention-output error), at the --per-layer budgets
+Then the K/V balance at budget 72: the value rows weighted √β against the NoPE key rows in the
+joint activation-aware factorisation, β = 0.25 / 1 / 4, for the default recipe (24 RoPE dims + a
+48-wide latent) and for 2-norm r=4 (no refit, so the factorisation is seen alone), and β chosen
+by held-in loss (--kv-balance auto) for the default recipe.
 Then the recovery curve at budget 72, paper vs best: one fine-tuning run of the largest step count
 (batch 4 × 256, the paper's optimizer and schedule) per recipe, perplexity measured before it and
 after each listed step.
 
     python benchmarks/kv_budget.py [--budgets 48,72,120] [--search 48,72,120] [--per-layer 72,120]
-                                   [--recovery-steps 10,25,50] [--part all|budgets|recovery]
+                                   [--recovery-steps 10,25,50] [--part all|budgets|balance|recovery]
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 from transformers import TrainerCallback
 
 from mha2mla import load_source
-from mha2mla.convert import RECIPES, convert_model
+from mha2mla.convert import AUTO_BALANCES, RECIPES, convert_model
 from mha2mla.evaluate.perplexity import perplexity
 from mha2mla.train import train
 
@@ -72,7 +76,8 @@ def main() -> None:
     parser.add_argument("--search", default="48,72,120", help="budgets where `best` runs the split search "
                         "(elsewhere it uses the default recipe's RoPE share)")
     parser.add_argument("--per-layer", default="120", help="budgets with a per-layer-split row")
-    parser.add_argument("--part", default="all", choices=["all", "budgets", "recovery"])
+    parser.add_argument("--balance-budget", type=int, default=72)
+    parser.add_argument("--part", default="all", choices=["all", "budgets", "balance", "recovery"])
     args = parser.parse_args()
     print(f"torch threads: {torch.get_num_threads()}")
     source, tok = load_source("smollm2-135m")
@@ -106,6 +111,22 @@ def main() -> None:
                      for b in budgets]
             if any(cell != "–" for cell in cells):
                 print(f"| {name} | " + " | ".join(cells) + " |")
+
+    if args.part in ("all", "balance"):
+        listed = configs(args.balance_budget, False, False)
+        rows = {"best": listed["best"], "2-norm": listed["2-norm"]}
+        table = {}
+        for name, kw in rows.items():
+            for beta in AUTO_BALANCES:
+                table[(name, beta)] = convert(f"{name}, β={beta:g}", dict(kw, kv_balance=beta))[1]
+        mla, ppl, _ = convert("best, β auto", dict(rows["best"], kv_balance="auto"))
+        chosen = mla.config.conversion["kv_balance"]
+        losses = ", ".join(f"β={t['kv_balance']:g}: {t['held_in_loss']:.4f}" for t in mla.config.conversion["budget_candidates"])
+        print(f"\n| budget {args.balance_budget}: K/V balance β | " + " | ".join(f"{b:g}" for b in AUTO_BALANCES)
+              + " | auto |\n|---|" + "---|" * (len(AUTO_BALANCES) + 1))
+        for name in rows:
+            auto = f"{ppl:,.1f} (β={chosen:g}; held-in {losses})" if name == "best" else "–"
+            print(f"| {name} | " + " | ".join(f"{table[(name, b)]:,.1f}" for b in AUTO_BALANCES) + f" | {auto} |")
 
     if args.part in ("all", "recovery"):
         steps = list(map(int, args.recovery_steps.split(",")))
