@@ -55,9 +55,10 @@ RECIPES = {
 DEFAULT_REFIT = {"pca": "vo", "per_head": "v"}
 ROPE_SHARE = 1 / 3  # default share of a pca budget spent on the shared RoPE key (measured: 24 of 72 best)
 # Shares of a budget the split search gives RoPE. On SmolLM2-135M 24 RoPE dims were best at 72 (of
-# 8/12/18/24/36) and at 120 (ppl 144 against 199 with 16 and 206 with 40); a half was never best.
-# Four candidates keep the search of SmolLM2-135M under 10 minutes on 2 cores.
-ROPE_SHARES = (1 / 8, 1 / 5, 1 / 4, 1 / 3)
+# 8/12/18/24/36) and at 120 (ppl 144 against 199 with 16 and 206 with 40); a half was never best, and
+# an eighth had the worst held-in loss at 48, 72 and 120 (benchmarks/results/kv_budget_budgets.txt).
+# Three candidates keep the search of SmolLM2-135M well under 10 minutes on 2 cores.
+ROPE_SHARES = (1 / 5, 1 / 4, 1 / 3)
 HELD_IN_BLOCKS = 4
 AUTO_BALANCES = (0.25, 1.0, 4.0)  # K/V balances β tried by --kv-balance auto
 
