@@ -120,8 +120,9 @@ def main() -> None:
             for beta in AUTO_BALANCES:
                 table[(name, beta)] = convert(f"{name}, β={beta:g}", dict(kw, kv_balance=beta))[1]
         mla, ppl, _ = convert("best, β auto", dict(rows["best"], kv_balance="auto"))
-        chosen = mla.config.conversion["kv_balance"]
-        losses = ", ".join(f"β={t['kv_balance']:g}: {t['held_in_loss']:.4f}" for t in mla.config.conversion["budget_candidates"])
+        conversion = mla.config.conversion
+        chosen = conversion["kv_balance"]
+        losses = ", ".join(f"β={t['kv_balance']:g}: {t['held_in_loss']:.4f}" for t in conversion["budget_candidates"])
         print(f"\n| budget {args.balance_budget}: K/V balance β | " + " | ".join(f"{b:g}" for b in AUTO_BALANCES)
               + " | auto |\n|---|" + "---|" * (len(AUTO_BALANCES) + 1))
         for name in rows:
