@@ -44,7 +44,7 @@ def main() -> None:
         for init in args.inits.split(","):
             run("MLA 2-norm", d_kv, init)
         run("MLA 2-norm + v refit", d_kv, "activation", rope_pairs=4, rope_strategy="2-norm", refit="v")
-        run("MLA default recipe", d_kv, "activation", rope_strategy="pca", freq_fold=2)
+        run("MLA default recipe", d_kv, "activation", rope_strategy="pca", freq_fold=4)
     print("\n| model | d_kv | init | ppl | conversion s |\n|---|---|---|---|---|")
     for label, d_kv, init, ppl, seconds in rows:
         print(f"| {label} | {d_kv} | {init} | {ppl:,.1f} | {seconds:.1f} |")

@@ -5,9 +5,9 @@ Budgets 48 / 72 / 120 cached values per token per layer (−87.5 / −81.25 / �
   paper    2-norm r=4, weight-only joint SVD, d_kv = budget/3 − 8 (the MHA2MLA recipe, --recipe paper)
   2-norm   2-norm r=4, activation-aware joint SVD (the conversion issue's default), without and with
            the value refit (--refit v)
-  best     the default recipe: RoPE concentration (pca, --freq-fold 2), activation-aware SVD, v_up and
+  best     the default recipe: RoPE concentration (pca, --freq-fold 4), activation-aware SVD, v_up and
            o_proj refit; at the --search budgets the RoPE/latent split is chosen by the budget search
-           on held-in text (candidates logged on stderr), elsewhere a third of the budget goes to RoPE
+           on held-in text (candidates logged on stderr), elsewhere a quarter of the budget goes to RoPE
   best, per-layer split   the same with --per-layer-split (each layer picks its own split by its
            attention-output error), at the --per-layer budgets
 Then the K/V balance at budget 72: the value rows weighted √β against the NoPE key rows in the
@@ -20,6 +20,7 @@ after each listed step.
 
     python benchmarks/kv_budget.py [--budgets 48,72,120] [--search 48,72,120] [--per-layer 72,120]
                                    [--recovery-steps 10,25,50] [--part all|budgets|balance|recovery]
+                                   [--rows NAME ...]
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--per-layer", default="120", help="budgets with a per-layer-split row")
     parser.add_argument("--balance-budget", type=int, default=72)
     parser.add_argument("--part", default="all", choices=["all", "budgets", "balance", "recovery"])
+    parser.add_argument("--rows", nargs="*", help="budgets part: only these rows (names as printed)")
     args = parser.parse_args()
     print(f"torch threads: {torch.get_num_threads()}")
     source, tok = load_source("smollm2-135m")
@@ -102,7 +104,7 @@ def main() -> None:
             print(f"budget {budget}:", flush=True)
             listed = configs(budget, str(budget) in args.search.split(","), str(budget) in args.per_layer.split(","))
             for name, kw in listed.items():
-                if kw is not None:
+                if kw is not None and (not args.rows or name in args.rows):
                     table[(name, budget)] = convert(name, kw)[1:]
         print("\n| conversion | " + " | ".join(f"{b} (−{100 * (1 - b / 384):.2f} %)" for b in budgets) + " |")
         print("|---|" + "---|" * len(budgets))

@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_source
 
 from mha2mla.convert import convert_model, max_latent
+from mha2mla.rope_pca import pca_basis
 
 TOL = 1e-4
 
@@ -44,6 +45,21 @@ def test_pca_rotation_nothing_dropped_is_exact(family, n_kv, tokenizer, wiki_dir
     assert mla.config.rope_layout == "shared" and mla.config.n_rope_heads == 1
     ids = ids_for()
     assert (mla(ids).logits - src(ids).logits).abs().max().item() <= TOL
+
+
+def test_folded_rope_components_are_spread_over_frequency_groups():
+    # one KV head, d_h = 16 (8 frequencies), fold 4 → two groups; the first group holds almost all key
+    # energy, yet each group keeps its own top component, rotating with the group's first frequency
+    energy = torch.tensor([5.0, 4.0, 3.0, 2.0, 0.01, 0.04, 0.02, 0.03], dtype=torch.float64)
+    e_kk = torch.diag(torch.cat([energy, energy]))  # (re, im) dims of the 8 pairs
+    basis = pca_basis(e_kk, torch.eye(16, dtype=torch.float64), n_heads=1, n_kv=1, head_dim=16, n_pairs=2,
+                      fold=4, inv_freq=[0.5**k for k in range(8)], max_distance=64)
+    assert basis.freq_index == [0, 4]
+    assert basis.r_re[0, 0].abs().item() == pytest.approx(1.0)  # group 1's top: pair 0
+    assert basis.r_re[1, 5].abs().item() == pytest.approx(1.0)  # group 2's top: pair 5
+    more = pca_basis(e_kk, torch.eye(16, dtype=torch.float64), n_heads=1, n_kv=1, head_dim=16, n_pairs=4,
+                     fold=4, inv_freq=[0.5**k for k in range(8)], max_distance=64)
+    assert sorted(more.freq_index) == [0, 2, 4, 6]  # two per group: ranks 0 and 1 at frequencies 0 and 2 of it
 
 
 def test_pca_cached_decoding_matches_full_forward(tokenizer, wiki_dir):
@@ -136,7 +152,7 @@ def test_per_layer_split_meets_the_budget_in_every_layer(strategy, tokenizer, wi
                            per_layer_split=True, calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
                            progress=False)
     c = mla.config
-    options = budget_candidates(src.config, budget, strategy)
+    options = budget_candidates(src.config, budget, strategy, fold=4)
     assert len(options) >= 2 and len(c.layer_rope_pairs) == len(c.layer_latent_dims) == 3
     assert all(split in options for split in zip(c.layer_rope_pairs, c.layer_latent_dims))
     assert [c.kv_elements_at(i) for i in range(3)] == [budget] * 3
@@ -157,3 +173,26 @@ def test_per_layer_split_needs_a_budget(tokenizer, wiki_dir):
     with pytest.raises(UserError, match="--kv-budget"):
         convert_model((tiny_source("llama", vocab=49152), tokenizer), d_kv=4, per_layer_split=True,
                       calib_data=[wiki_dir], calib_samples=2, calib_seq_len=32, progress=False)
+
+
+def test_held_in_blocks_are_the_next_documents(tokenizer, tmp_path):
+    from mha2mla.data import calibration_blocks
+
+    docs = [f"Document {i}. " + " ".join(f"word{i}x{j}" for j in range(60)) for i in range(8)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    calib, held_in = calibration_blocks(tokenizer, [path], 32, n_calib=2, n_held_in=3)
+    tokens = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs]
+    assert len(tokens[0]) > 64  # both calibration blocks come from document 0 …
+    assert calib.tolist() == [tokens[0][:32], tokens[0][32:64]]
+    assert held_in.tolist() == [t[:32] for t in tokens[1:4]]  # … the held-in blocks from documents 1-3
+
+
+def test_budget_search_without_enough_held_in_documents_is_a_user_error(tokenizer, tmp_path):
+    from mha2mla.errors import UserError
+
+    path = tmp_path / "one.txt"
+    path.write_text(" ".join(f"word{j}" for j in range(400)))  # one document: nothing left for held-in text
+    with pytest.raises(UserError, match="more documents"):
+        convert_model((tiny_source("llama", vocab=49152), tokenizer), kv_budget=40, rope_strategy="pca",
+                      calib_data=[path], calib_samples=2, calib_seq_len=32, progress=False)

@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="HF directory, .gguf file, hub id, or smollm2-135m")
     p.add_argument("out", help="output directory (written atomically)")
     p.add_argument("--recipe", default="default", choices=["default", "paper"],
-                   help="default: RoPE concentration (pca, fold 2) + activation-aware SVD, the best measured; "
+                   help="default: RoPE concentration (pca, fold 4) + activation-aware SVD, the best measured; "
                         "paper: MHA2MLA's 2-norm partial RoPE + weight-only SVD")
     p.add_argument("--d-kv", type=int, default=16,
                    help="latent width per KV head (default 16; with pca and no --rope-pairs: the paper's cache "

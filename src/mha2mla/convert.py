@@ -13,7 +13,8 @@ rank the MLA model computes exactly what the source does.
 
 The cache budget per token and layer is latent_dim + n_rope·2r values. Given only a budget
 (`kv_budget`), `convert_model` tries several splits between RoPE dims and latent rank, scores each
-by its loss on held-in text (the calibration corpus's blocks right after the calibration samples),
+by its loss on held-in text (the first tokens of the calibration corpus's next documents after
+those of the calibration samples: other text, so the score rewards generalising, not fitting),
 logs them, and keeps the best.
 """
 
@@ -29,7 +30,7 @@ import torch
 
 from .calibration import calibrate, source_layer_step
 from .checkpoint import save_mla
-from .data import default_train_text, pack_blocks
+from .data import calibration_blocks, default_train_text
 from .errors import UserError
 from .evaluate.kv_memory import kv_report, source_elements_per_token_per_layer
 from .expand import expand_to_mha
@@ -43,23 +44,25 @@ from .sources import check_family, load_source
 
 INITS = ("weight", "activation", "output")
 # Named settings. `default` is the best measured on SmolLM2-135M (benchmarks/kv_budget.py, README):
-# RoPE concentration with folding 2 and activation-aware SVD, about a third of the cache for RoPE.
+# RoPE concentration with folding 4 and activation-aware SVD, about a quarter of the cache for RoPE.
 # `paper` is the MHA2MLA paper's recipe: per-head 2-norm partial RoPE, weight-only joint SVD.
 RECIPES = {
-    "default": dict(rope_strategy="pca", freq_fold=2, init="activation", sequential=True, refit=None),
+    "default": dict(rope_strategy="pca", freq_fold=4, init="activation", sequential=True, refit=None),
     "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False, refit="none"),
 }
 # The refit used when none is asked for (benchmarks/kv_budget.py, budget 72): v_up and o_proj after
 # RoPE concentration (ppl 415 → 302), only v_up after per-head partial RoPE (751 → 605; with o_proj
 # 881: its attention differs too much from the source's for the o_proj regression to transfer).
 DEFAULT_REFIT = {"pca": "vo", "per_head": "v"}
-ROPE_SHARE = 1 / 3  # default share of a pca budget spent on the shared RoPE key (measured: 24 of 72 best)
-# Shares of a budget the split search gives RoPE. On SmolLM2-135M 24 RoPE dims were best at 72 (of
-# 8/12/18/24/36) and at 120 (ppl 144 against 199 with 16 and 206 with 40); a half was never best, and
-# an eighth had the worst held-in loss at 48, 72 and 120 (benchmarks/results/kv_budget_budgets.txt).
-# Three candidates keep the search of SmolLM2-135M well under 10 minutes on 2 cores.
+# Default share of a pca budget spent on the shared RoPE key, rounded to whole rounds over the
+# frequency groups (rope_pairs_for). On SmolLM2-135M with F = 4 (8 groups): 16 RoPE dims best at 72
+# (ppl 305 against 414 with 32), 32 at 120 (ppl 100).
+ROPE_SHARE = 1 / 4
+# Shares of a budget the split search gives RoPE (then rounded as above). Before the round-by-round
+# allocation, an eighth had the worst held-in loss at 48, 72 and 120 and a half was never best
+# (benchmarks/results/kv_budget_budgets.txt); few candidates keep the search under 10 minutes on 2 cores.
 ROPE_SHARES = (1 / 5, 1 / 4, 1 / 3)
-HELD_IN_BLOCKS = 4
+HELD_IN_BLOCKS = 4  # held-in documents (one block each) that score the budget search's candidates
 AUTO_BALANCES = (0.25, 1.0, 4.0)  # K/V balances β tried by --kv-balance auto
 
 
@@ -224,9 +227,25 @@ def validate(config, latent: int, rope_pairs: int, rope_strategy: str, svd: str,
         raise UserError("--svd split needs an even latent width n_kv·d_kv: choose an even --d-kv")
 
 
-def budget_candidates(config, budget: int, strategy: str) -> list[tuple[int, int]]:
+def rope_groups(config, fold: int) -> int:
+    """Frequency groups of RoPE concentration: ⌈(d_h/2) / F⌉ (rope_pca keeps components round by round)."""
+    return -(-(head_dim_of(config) // 2) // fold)
+
+
+def rope_pairs_for(config, budget: int, share: float, strategy: str, fold: int) -> int:
+    """RoPE pairs for a `share` of the budget; with pca rounded to whole rounds over the frequency groups,
+    so every group keeps as many components as the others (rope_pca)."""
+    n_rope = 1 if strategy == "pca" else config.num_key_value_heads
+    pairs = budget * share / (2 * n_rope)
+    if strategy != "pca":
+        return min(max(1, round(pairs)), head_dim_of(config) // 2)
+    groups = rope_groups(config, fold)
+    return max(1, round(pairs / groups)) * groups if 2 * groups < budget else max(1, round(pairs))
+
+
+def budget_candidates(config, budget: int, strategy: str, fold: int = 1) -> list[tuple[int, int]]:
     """(rope_pairs, latent_dim) splits of a cache budget worth trying: ROPE_SHARES of it for RoPE."""
-    n_kv, d_h = config.num_key_value_heads, head_dim_of(config)
+    n_kv = config.num_key_value_heads
     source = source_elements_per_token_per_layer(config)
     n_rope = 1 if strategy == "pca" else n_kv
     smallest = n_rope * 2 + 1
@@ -235,9 +254,7 @@ def budget_candidates(config, budget: int, strategy: str) -> list[tuple[int, int
                         f"per layer (the source caches {source})")
     options = []
     for share in ROPE_SHARES:
-        r = max(1, round(budget * share / (2 * n_rope)))
-        if strategy != "pca":
-            r = min(r, d_h // 2)
+        r = rope_pairs_for(config, budget, share, strategy, fold)
         latent = budget - n_rope * 2 * r
         if 1 <= latent <= max_latent(config, r, strategy) and (r, latent) not in options:
             options.append((r, latent))
@@ -255,7 +272,7 @@ def held_in_loss(model, blocks: torch.Tensor) -> float:
 
 def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | None = None,
                   rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
-                  kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 2,
+                  kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 4,
                   kv_balance: float | str = 1.0, sequential: bool = True, refit: str | None = None,
                   per_layer_split: bool = False, as_mha: bool = False, calib_data=None,
                   calib_samples: int = 16, calib_seq_len: int = 512, overwrite: bool = False,
@@ -294,10 +311,10 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
             raise UserError(f"--kv-reduction {kv_reduction} must be between 0 and 100 (percent)")
         kv_budget = math.floor(source_elements_per_token_per_layer(config) * (1 - kv_reduction / 100))
     if kv_budget is not None:
-        candidates = budget_candidates(config, kv_budget, rope_strategy)
+        candidates = budget_candidates(config, kv_budget, rope_strategy, freq_fold)
     elif rope_strategy == "pca" and rope_pairs is None:
         budget = config.num_key_value_heads * (d_kv + 2 * max(1, head_dim_of(config) // 16))
-        pairs = max(1, round(budget * ROPE_SHARE / 2))
+        pairs = rope_pairs_for(config, budget, ROPE_SHARE, rope_strategy, freq_fold)
         candidates = [(pairs, budget - 2 * pairs)]
     else:
         r = rope_pairs if rope_pairs is not None else max(1, head_dim_of(config) // 16)
@@ -319,12 +336,12 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
         raise UserError("--per-layer-split needs a budget to split: add --kv-budget N or --kv-reduction P")
     plans = [tuple(candidates)] if per_layer_split else [((r, latent),) for r, latent in candidates]
     candidates = [(plan, b) for plan in plans for b in balances]
-    n_blocks = calib_samples + (HELD_IN_BLOCKS if len(candidates) > 1 else 0)
-    blocks = pack_blocks(tokenizer, calib_data or [default_train_text()], calib_seq_len, n_blocks,
-                         what="calibration text")
-    if len(blocks) < n_blocks and len(candidates) > 1:
-        raise UserError("calibration text too short for the budget search: add text or lower --calib-samples")
-    calib, held_in = blocks[:calib_samples], blocks[calib_samples:]
+    n_held_in = HELD_IN_BLOCKS if len(candidates) > 1 else 0
+    calib, held_in = calibration_blocks(tokenizer, calib_data or [default_train_text()], calib_seq_len,
+                                        calib_samples, n_held_in)
+    if len(held_in) < n_held_in:
+        raise UserError(f"the budget search needs {n_held_in} more documents of at least {calib_seq_len} tokens "
+                        f"after the calibration samples: add text or lower --calib-samples/--calib-seq-len")
     source_name = str(source if isinstance(source, (str, Path)) else config._name_or_path)
     settings = dict(rope_strategy=rope_strategy, svd=svd, init=init, freq_fold=freq_fold,
                     sequential=sequential, refit=refit, source_name=source_name, progress=progress)

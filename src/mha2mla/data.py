@@ -137,3 +137,34 @@ def pack_blocks(tokenizer, paths: Sequence[str | Path], seq_len: int, n_blocks: 
         raise UserError(f"{what} is too short for one block of {seq_len} tokens "
                         f"(add more text or lower the sequence length)")
     return torch.tensor(blocks, dtype=torch.long)
+
+
+def calibration_blocks(tokenizer, paths: Sequence[str | Path], seq_len: int, n_calib: int,
+                       n_held_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(calibration blocks [≤ n_calib, seq_len], held-in blocks [≤ n_held_in, seq_len]).
+
+    The calibration blocks pack the start of the text; the held-in blocks are the first seq_len
+    tokens of each of the next documents (from the one after the last calibration block's), so a
+    held-in score measures how a conversion generalises to other text, not to more of the same.
+    """
+    if seq_len < 2:
+        raise UserError(f"sequence length {seq_len} is too short (use at least 2)")
+    eos = tokenizer.eos_token_id
+    calib: list[list[int]] = []
+    held_in: list[list[int]] = []
+    buf: list[int] = []
+    for doc in read_documents(paths):
+        ids = tokenizer(doc, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+        if len(calib) < n_calib:
+            buf += ids
+            while len(buf) >= seq_len and len(calib) < n_calib:
+                calib.append(buf[:seq_len])
+                buf = buf[seq_len:]
+        elif len(ids) >= seq_len:
+            held_in.append(ids[:seq_len])
+        if len(calib) == n_calib and len(held_in) == n_held_in:
+            break
+    if not calib:
+        raise UserError(f"calibration text is too short for one block of {seq_len} tokens "
+                        f"(add more text or lower the sequence length)")
+    return torch.tensor(calib, dtype=torch.long), torch.tensor(held_in, dtype=torch.long).view(-1, seq_len)

@@ -9,12 +9,19 @@ by all query heads (DeepSeek's k_pe), and the rest of each key, (I − P) k with
 the kept components, becomes position-free and joins the low-rank latent. That split is exact.
 
 Frequency folding (F > 1) treats F adjacent frequencies as one: the PCA runs over n_kv·F pair
-vectors, concentrating further, and a kept component rotates with its group's middle frequency —
-an approximation (exact for F = 1).
+vectors, concentrating further. The kept components are spread over all frequency groups, rank by
+rank: every group's top component (largest key eigenvalue) first, then every group's second, and
+so on, so each group's strongest directions keep RoPE and leave the position-free remainder that
+the latent has to compress. Within a group, the ρ-th of its q kept components rotates with the
+group's frequency ρ·⌊F/q⌋ (the first, the highest, for the top one) — an approximation, exact for
+F = 1. This is TransMLA's RoRoPE + FreqFold allocation. On SmolLM2-135M with 32 RoPE dims, F = 4
+and a full-rank latent it gives perplexity 47, where keeping the best-scored components wherever
+they are (below), each rotating with its group's middle frequency, gave 111 (README, "RoPE
+allocation").
 
-Components are ranked by the score change that dropping their RoPE would cause: a pair rotated by
-θ·Δ between positions s and t = s + Δ contributes q'ᵀ R(θΔ) k', and without RoPE q'ᵀ k'; with
-|R(θΔ) − I|² = 2(1 − cos θΔ), the expected change scales as
+Within a rank, groups are ordered by the score change that dropping their RoPE would cause: a pair
+rotated by θ·Δ between positions s and t = s + Δ contributes q'ᵀ R(θΔ) k', and without RoPE q'ᵀ k';
+with |R(θΔ) − I|² = 2(1 − cos θΔ), the expected change scales as
     w(θ) · Σ_h RMS(q'_{h,c}) · RMS(k'_c),   w(θ) = sqrt(mean_{Δ=1…L} 2(1 − cos θΔ)),
 the q·k energy of the component weighted by how much its frequency actually rotates over the
 calibration length L (a slow frequency barely rotates, so it loses little by becoming position-free).
@@ -23,6 +30,7 @@ Energies come from the calibration covariance C (q, k linear in x: E[q qᵀ] = W
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -60,14 +68,14 @@ def pca_basis(e_kk: torch.Tensor, e_qq: torch.Tensor, n_heads: int, n_kv: int, h
     """Kept RoPE components of one layer from key and query second moments (pre-RoPE)."""
     half = head_dim // 2
     kv_heads, groups = list(range(n_kv)), n_heads // n_kv
-    candidates = []  # (score, fold group, component vector over (g, k) pairs)
+    candidates = []  # (rank in its group, −score, fold group, component vector over (g, k) pairs)
     for start in range(0, half, fold):
         group = list(range(start, min(start + fold, half)))
         re, im = group_dims(group, kv_heads, head_dim)
         sigma = e_kk[re][:, re] + e_kk[im][:, im]
-        eigvals, eigvecs = torch.linalg.eigh(sigma)
+        eigvals, eigvecs = torch.linalg.eigh(sigma)  # ascending
         weight = rotation_weight(inv_freq[group[len(group) // 2]], max_distance)
-        for c in range(len(re)):
+        for rank, c in enumerate(reversed(range(len(re)))):
             u = eigvecs[:, c].view(n_kv, len(group))
             q_energy = 0.0
             for h in range(n_heads):
@@ -75,17 +83,18 @@ def pca_basis(e_kk: torch.Tensor, e_qq: torch.Tensor, n_heads: int, n_kv: int, h
                 s_q = e_qq[q_re][:, q_re] + e_qq[q_im][:, q_im]
                 ug = u[h // groups]
                 q_energy += float(ug @ s_q @ ug).__abs__() ** 0.5
-            candidates.append((weight * q_energy * float(eigvals[c].clamp_min(0)) ** 0.5, group, u))
-    candidates.sort(key=lambda t: -t[0])
+            candidates.append((rank, -weight * q_energy * float(eigvals[c].clamp_min(0)) ** 0.5, group, u))
+    candidates.sort(key=lambda t: t[:2])
     kept = candidates[:n_pairs]
+    per_group = Counter(group[0] for _, _, group, _ in kept)
     r_re = torch.zeros(n_pairs, n_kv * head_dim, dtype=torch.float64)
     r_im = torch.zeros_like(r_re)
     freq_index = []
-    for j, (_, group, u) in enumerate(kept):
+    for j, (rank, _, group, u) in enumerate(kept):
         re, im = group_dims(group, kv_heads, head_dim)
         r_re[j, re] = u.reshape(-1)
         r_im[j, im] = u.reshape(-1)
-        freq_index.append(group[len(group) // 2])
+        freq_index.append(group[rank * (len(group) // per_group[group[0]])])
     return RopeBasis(r_re, r_im, freq_index)
 
 
