@@ -122,11 +122,17 @@ def token_stream(tokenizer, documents: Iterable[str]) -> Iterator[int]:
 def pack_blocks(tokenizer, paths: Sequence[str | Path], seq_len: int, n_blocks: int | None = None,
                 what: str = "text") -> torch.Tensor:
     """The first `n_blocks` (all when None) fixed-length blocks of the text: LongTensor [n, seq_len]."""
+    return pack_documents(tokenizer, read_documents(paths), seq_len, n_blocks, what)
+
+
+def pack_documents(tokenizer, documents: Iterator[str], seq_len: int, n_blocks: int | None = None,
+                   what: str = "text") -> torch.Tensor:
+    """pack_blocks on a document iterator; it is left just after the document holding the last block."""
     if seq_len < 2:
         raise UserError(f"sequence length {seq_len} is too short (use at least 2)")
     blocks: list[list[int]] = []
     buf: list[int] = []
-    for tok in token_stream(tokenizer, read_documents(paths)):
+    for tok in token_stream(tokenizer, documents):
         buf.append(tok)
         if len(buf) == seq_len:
             blocks.append(buf)
@@ -147,24 +153,13 @@ def calibration_blocks(tokenizer, paths: Sequence[str | Path], seq_len: int, n_c
     tokens of each of the next documents (from the one after the last calibration block's), so a
     held-in score measures how a conversion generalises to other text, not to more of the same.
     """
-    if seq_len < 2:
-        raise UserError(f"sequence length {seq_len} is too short (use at least 2)")
-    eos = tokenizer.eos_token_id
-    calib: list[list[int]] = []
-    held_in: list[list[int]] = []
-    buf: list[int] = []
-    for doc in read_documents(paths):
-        ids = tokenizer(doc, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
-        if len(calib) < n_calib:
-            buf += ids
-            while len(buf) >= seq_len and len(calib) < n_calib:
-                calib.append(buf[:seq_len])
-                buf = buf[seq_len:]
-        elif len(ids) >= seq_len:
-            held_in.append(ids[:seq_len])
-        if len(calib) == n_calib and len(held_in) == n_held_in:
+    documents = read_documents(paths)
+    calib = pack_documents(tokenizer, documents, seq_len, n_calib, what="calibration text")
+    held_in = []
+    for doc in documents:
+        if len(held_in) == n_held_in:
             break
-    if not calib:
-        raise UserError(f"calibration text is too short for one block of {seq_len} tokens "
-                        f"(add more text or lower the sequence length)")
-    return torch.tensor(calib, dtype=torch.long), torch.tensor(held_in, dtype=torch.long).view(-1, seq_len)
+        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
+        if len(ids) >= seq_len:
+            held_in.append(ids[:seq_len])
+    return calib, torch.tensor(held_in, dtype=torch.long).view(-1, seq_len)
