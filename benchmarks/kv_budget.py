@@ -12,8 +12,9 @@ Budgets 48 / 72 / 120 cached values per token per layer (−87.5 / −81.25 / �
            attention-output error), at the --per-layer budgets
 Then the K/V balance at budget 72: the value rows weighted √β against the NoPE key rows in the
 joint activation-aware factorisation, β = 0.25 / 1 / 4, for the default recipe (16 RoPE dims + a
-56-wide latent; 24 + 48 before the round-by-round RoPE allocation) and for 2-norm r=4 (no refit, so the factorisation is seen alone), and β chosen
-by held-in loss (--kv-balance auto) for the default recipe.
+56-wide latent; 24 + 48 before the round-by-round RoPE allocation) and for 2-norm r=4 (no refit,
+so the factorisation is seen alone), and β chosen by held-in loss (--kv-balance auto) for the
+default recipe.
 Then the recovery curve at budget 72, paper vs best: one fine-tuning run of the largest step count
 (batch 4 × 256, the paper's optimizer and schedule) per recipe, perplexity measured before it and
 after each listed step.
