@@ -3,7 +3,7 @@
 WikiText-2 raw test, 8 windows × 1024 tokens; rows: the source, partial RoPE only (2-norm, r=4,
 full-rank latent: exactly the masked-RoPE model), d_kv 8/16/32 × init weight/activation (2-norm,
 r=4: the paper's partial RoPE; no refit, so the inits are compared alone), activation with the value
-refit (--refit v), and the default recipe (RoPE concentration + refit vo) at the same cache sizes,
+refit (--refit v) and with the value and o_proj refit (--refit vo), and the default recipe (RoPE concentration + refit vo) at the same cache sizes,
 with conversion wall time (calibration included).
 
     python benchmarks/convert_quality.py [--windows 8] [--inits weight,activation,output]
@@ -44,6 +44,7 @@ def main() -> None:
         for init in args.inits.split(","):
             run("MLA 2-norm", d_kv, init)
         run("MLA 2-norm + v refit", d_kv, "activation", rope_pairs=4, rope_strategy="2-norm", refit="v")
+        run("MLA 2-norm + vo refit", d_kv, "activation", rope_pairs=4, rope_strategy="2-norm", refit="vo")
         run("MLA default recipe", d_kv, "activation", rope_strategy="pca", freq_fold=4)
     print("\n| model | d_kv | init | ppl | conversion s |\n|---|---|---|---|---|")
     for label, d_kv, init, ppl, seconds in rows:

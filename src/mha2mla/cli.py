@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None, choices=["weight", "activation", "output"])
     p.add_argument("--refit", default=None, choices=["none", "v", "vo"],
                    help="re-fit v_up (v) and then o_proj (vo) to the source's attention output on the "
-                        "calibration text (default recipe: vo with pca, v with per-head RoPE; paper: none)")
+                        "calibration text (default recipe: vo; paper: none)")
     p.add_argument("--kv-balance", default="1.0",
                    help="weight of value errors against key errors in the joint SVD, or 'auto' (chosen on "
                         "held-in text)")

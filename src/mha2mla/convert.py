@@ -47,13 +47,13 @@ INITS = ("weight", "activation", "output")
 # RoPE concentration with folding 4 and activation-aware SVD, about a quarter of the cache for RoPE.
 # `paper` is the MHA2MLA paper's recipe: per-head 2-norm partial RoPE, weight-only joint SVD.
 RECIPES = {
-    "default": dict(rope_strategy="pca", freq_fold=4, init="activation", sequential=True, refit=None),
+    "default": dict(rope_strategy="pca", freq_fold=4, init="activation", sequential=True, refit="vo"),
     "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False, refit="none"),
 }
-# The refit used when none is asked for (benchmarks/kv_budget.py, budget 72): v_up and o_proj after
-# RoPE concentration (ppl 415 → 302), only v_up after per-head partial RoPE (751 → 605; with o_proj
-# 881: its attention differs too much from the source's for the o_proj regression to transfer).
-DEFAULT_REFIT = {"pca": "vo", "per_head": "v"}
+# The recipes' refits: `default` re-fits v_up and then o_proj (with the
+# strong ridge of refit.O_PROJ_DAMPING). On SmolLM2-135M (WikiText ppl) it beats v_up alone after
+# RoPE concentration (72 values: 267 vs 354) and after per-head partial RoPE (2-norm r=4, d_kv=16:
+# 505 vs 605); `paper` keeps the factorisation as it is.
 # Default share of a pca budget spent on the shared RoPE key, rounded to whole rounds over the
 # frequency groups (rope_pairs_for). On SmolLM2-135M with F = 4 (8 groups) that is 16 RoPE dims at 72
 # (ppl 305; 32 dims gave 414) and 32 at 120 (ppl 100; 16 dims not measured there).
@@ -268,7 +268,7 @@ def held_in_loss(model, blocks: torch.Tensor) -> float:
 def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | None = None,
                   rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
                   kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 4,
-                  kv_balance: float | str = 1.0, sequential: bool = True, refit: str | None = None,
+                  kv_balance: float | str = 1.0, sequential: bool = True, refit: str = "vo",
                   per_layer_split: bool = False, as_mha: bool = False, calib_data=None,
                   calib_samples: int = 16, calib_seq_len: int = 512, overwrite: bool = False,
                   progress: bool = True):
@@ -284,7 +284,7 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
     weights value errors against key errors in the joint factorisation; "auto" tries AUTO_BALANCES
     and keeps the best by held-in loss (with the split search when there is one). `refit`: "v"
     re-fits v_up, "vo" v_up then o_proj, to the source's attention output (refit); "none" keeps the
-    factorisation's own; None: DEFAULT_REFIT for the RoPE strategy. `per_layer_split` (with a
+    factorisation's own. `per_layer_split` (with a
     budget): every layer picks its own split among the budget's candidates, by the error of its
     attention output on the calibration inputs (convert_once), instead of one split for all layers.
     """
@@ -314,8 +314,6 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
     else:
         r = rope_pairs if rope_pairs is not None else max(1, head_dim_of(config) // 16)
         candidates = [(r, config.num_key_value_heads * d_kv)]
-    if refit is None:
-        refit = DEFAULT_REFIT["pca" if rope_strategy == "pca" else "per_head"]
     for r, latent in candidates:
         validate(config, latent, r, rope_strategy, svd, init, refit)
     if kv_balance == "auto":
