@@ -56,7 +56,8 @@ RECIPES = {
 # 505 vs 605); `paper` keeps the factorisation as it is.
 # Default share of a pca budget spent on the shared RoPE key, rounded to whole rounds over the
 # frequency groups (rope_pairs_for). On SmolLM2-135M with F = 4 (8 groups) that is 16 RoPE dims at 72
-# (ppl 305; 32 dims gave 414) and 32 at 120 (ppl 100; 16 dims not measured there).
+# (ppl 305; 32 dims gave 414) and 32 at 120 (ppl 100; 16 dims not measured there), with the o_proj
+# ridge at 1e-4.
 ROPE_SHARE = 1 / 4
 # Shares of a budget the split search gives RoPE (then rounded as above). Before the round-by-round
 # allocation, an eighth had the worst held-in loss at 48, 72 and 120 and a half was never best
