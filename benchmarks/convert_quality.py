@@ -3,8 +3,8 @@
 WikiText-2 raw test, 8 windows × 1024 tokens; rows: the source, partial RoPE only (2-norm, r=4,
 full-rank latent: exactly the masked-RoPE model), d_kv 8/16/32 × init weight/activation (2-norm,
 r=4: the paper's partial RoPE; no refit, so the inits are compared alone), activation with the value
-refit (--refit v) and with the value and o_proj refit (--refit vo), and the default recipe (RoPE concentration + refit vo) at the same cache sizes,
-with conversion wall time (calibration included).
+refit (--refit v) and with the value and o_proj refit (--refit vo), and the default recipe (RoPE
+concentration + refit vo) at the same cache sizes, with conversion wall time (calibration included).
 
     python benchmarks/convert_quality.py [--windows 8] [--inits weight,activation,output]
 """

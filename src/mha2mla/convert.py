@@ -50,10 +50,9 @@ RECIPES = {
     "default": dict(rope_strategy="pca", freq_fold=4, init="activation", sequential=True, refit="vo"),
     "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False, refit="none"),
 }
-# The recipes' refits: `default` re-fits v_up and then o_proj (with the
-# strong ridge of refit.O_PROJ_DAMPING). On SmolLM2-135M (WikiText ppl) it beats v_up alone after
-# RoPE concentration (72 values: 267 vs 354) and after per-head partial RoPE (2-norm r=4, d_kv=16:
-# 505 vs 605); `paper` keeps the factorisation as it is.
+# `default` re-fits v_up and then o_proj (with the strong ridge of refit.O_PROJ_DAMPING): on
+# SmolLM2-135M (WikiText ppl) better than v_up alone after RoPE concentration (72 values: 267 vs
+# 354) and after per-head partial RoPE (2-norm r=4, d_kv=16: 505 vs 605). `paper` has no refit.
 # Default share of a pca budget spent on the shared RoPE key, rounded to whole rounds over the
 # frequency groups (rope_pairs_for). On SmolLM2-135M with F = 4 (8 groups) that is 16 RoPE dims at 72
 # (ppl 305; 32 dims gave 414) and 32 at 120 (ppl 100; 16 dims not measured there), with the o_proj
@@ -285,8 +284,7 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
     weights value errors against key errors in the joint factorisation; "auto" tries AUTO_BALANCES
     and keeps the best by held-in loss (with the split search when there is one). `refit`: "v"
     re-fits v_up, "vo" v_up then o_proj, to the source's attention output (refit); "none" keeps the
-    factorisation's own. `per_layer_split` (with a
-    budget): every layer picks its own split among the budget's candidates, by the error of its
+    factorisation's own. `per_layer_split` (with a budget): every layer picks its own split among the budget's candidates, by the error of its
     attention output on the calibration inputs (convert_once), instead of one split for all layers.
     """
     start = time.perf_counter()
