@@ -3,8 +3,8 @@
 Budgets 48 / 72 / 120 cached values per token per layer (−87.5 / −81.25 / −68.75 % of the source's
 384). Zero-shot WikiText-2 raw test perplexity (8 × 1024 tokens) and conversion wall time for:
   paper    2-norm r=4, weight-only joint SVD, d_kv = budget/3 − 8 (the MHA2MLA recipe, --recipe paper)
-  2-norm   2-norm r=4, activation-aware joint SVD (the conversion issue's default), without and with
-           the value refit (--refit v)
+  2-norm   2-norm r=4, activation-aware joint SVD (the conversion issue's default), without a refit,
+           with the value refit (--refit v) and with the value and o_proj refit (--refit vo, the default)
   best     the default recipe: RoPE concentration (pca, --freq-fold 4), activation-aware SVD, v_up and
            o_proj refit; at the --search budgets the RoPE/latent split is chosen by the budget search
            on held-in text (candidates logged on stderr), elsewhere a quarter of the budget goes to RoPE
@@ -49,6 +49,7 @@ def configs(budget: int, search: bool, per_layer: bool) -> dict:
         "paper": dict(d_kv=d_kv, rope_pairs=ROPE_PAIRS, **RECIPES["paper"]),
         "2-norm": dict(two_norm, refit="none"),
         "2-norm + v refit": dict(two_norm, refit="v"),
+        "2-norm + vo refit": dict(two_norm, refit="vo"),
         "best": dict(kv_budget=budget) if search else dict(d_kv=d_kv),  # convert_model's defaults = default recipe
         "best, per-layer split": dict(kv_budget=budget, per_layer_split=True) if per_layer else None,
     }

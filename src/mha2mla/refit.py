@@ -51,7 +51,8 @@ def source_attention(attn, x: torch.Tensor, rope, causal: torch.Tensor, n_heads:
     v = attn.v_proj(x).view(B, T, n_kv, head_dim).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, *rope)
     groups = n_heads // n_kv
-    probs = (q @ repeat_kv(k, groups).transpose(-1, -2) * head_dim**-0.5 + causal).softmax(-1)
+    scores = (q * head_dim**-0.5) @ repeat_kv(k, groups).transpose(-1, -2)  # scaled before: fewer passes
+    probs = scores.add_(causal).softmax(-1)
     out = probs @ repeat_kv(v, groups)
     return probs, out.transpose(1, 2).reshape(B, T, -1)
 
