@@ -10,6 +10,7 @@ statistics of one layer at a time); for each layer the conversion receives:
     k_norm  the same for each KV head, [n_kv, d_h/2]
     inputs  the attention inputs themselves, one [b, T, D] tensor per batch of blocks (for the
             output refit, which needs the source's attention on them; one layer's worth)
+    hidden  the layer's input hidden states (before the norm), one [b, T, D] tensor per batch
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class LayerStats:
     k_norm: torch.Tensor
     tokens: int
     inputs: list[torch.Tensor]
+    hidden: list[torch.Tensor]
 
 
 def pair_norms(states: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -63,9 +65,9 @@ def calibrate(model, blocks: torch.Tensor, on_layer: Callable, batch_size: int =
     """Run the calibration blocks through the model one layer at a time.
 
     For layer i, `on_layer(i, stats)` receives the LayerStats of that layer's inputs and returns the
-    function that maps its input hidden states to the next layer's input — the converted layer, so
-    every later layer is calibrated on the activations it will really see (errors of earlier layers
-    included), or `source_layer_step` to follow the source model.
+    next layer's input hidden states (one tensor per batch) — those of the converted layer, so every
+    later layer is calibrated on the activations it will really see (errors of earlier layers
+    included), or of the source layer (`source_layer_step`) to follow the source model.
     """
     inner = model.model
     config = model.config
@@ -82,6 +84,5 @@ def calibrate(model, blocks: torch.Tensor, on_layer: Callable, batch_size: int =
         for x in inputs:
             accumulate(layer.self_attn, x.reshape(-1, hidden_size), stats)
         n = stats["n"]
-        step = on_layer(idx, LayerStats(cov=stats["xx"] / n, mean=stats["x"] / n, q_norm=stats["q"] / n,
-                                        k_norm=stats["k"] / n, tokens=n, inputs=inputs))
-        hidden = [step(h) for h in hidden]
+        hidden = on_layer(idx, LayerStats(cov=stats["xx"] / n, mean=stats["x"] / n, q_norm=stats["q"] / n,
+                                          k_norm=stats["k"] / n, tokens=n, inputs=inputs, hidden=hidden))

@@ -198,6 +198,12 @@ def copy_layer_rest(src_layer, mla_layer) -> None:
         getattr(mla_layer, name).load_state_dict(getattr(src_layer, name).state_dict())
 
 
+def after_attention(layer, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer once its attention output is known: residual, then the MLP block."""
+    hidden = hidden + attn_out
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
 def copy_outer(source, mla) -> None:
     """Embeddings, final norm and LM head."""
     mla.model.embed_tokens.load_state_dict(source.model.embed_tokens.state_dict())
@@ -439,12 +445,15 @@ def convert_once(model, blocks, splits: list[tuple[int, int]], *, rope_strategy:
             mla.config.layer_rope_pairs[idx], mla.config.layer_latent_dims[idx] = r, width
         kept_all.append(kept)
         if refit != "none":
-            refit_outputs(src.self_attn, layer.self_attn, stats.inputs, rope, causal, position_ids,
-                          o_proj=refit == "vo")
+            attn_out = refit_outputs(src.self_attn, layer.self_attn, stats.inputs, rope, causal, position_ids,
+                                     o_proj=refit == "vo")
         copy_layer_rest(src, layer)
         if not sequential:
-            return source_layer_step(src, causal, position_ids, rope)
-        return lambda h: layer(h, position_ids.expand(h.shape[0], -1), causal)
+            step = source_layer_step(src, causal, position_ids, rope)
+            return [step(h) for h in stats.hidden]
+        if refit == "none":
+            attn_out = [layer.self_attn(x, position_ids.expand(x.shape[0], -1), causal) for x in stats.inputs]
+        return [after_attention(layer, h, a) for h, a in zip(stats.hidden, attn_out)]
 
     calibrate(model, blocks, on_layer, progress=progress)
     mla.config.kept_pairs = kept_all

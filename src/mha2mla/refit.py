@@ -70,8 +70,9 @@ def mla_head_outputs(mla_attn, x: torch.Tensor, position_ids: torch.Tensor, caus
 
 @torch.no_grad()
 def refit_outputs(src_attn, mla_attn, inputs: list[torch.Tensor], rope, causal: torch.Tensor,
-                  position_ids: torch.Tensor, o_proj: bool = True) -> None:
-    """Re-fit mla_attn's v_up, then (`o_proj`) its o_proj, on this layer's calibration inputs (in place).
+                  position_ids: torch.Tensor, o_proj: bool = True) -> list[torch.Tensor]:
+    """Re-fit mla_attn's v_up, then (`o_proj`) its o_proj, on this layer's calibration inputs (in place);
+    return the re-fit attention's outputs on those inputs (the calibration's next step, computed once).
 
     The value sums are taken in the latent and value spaces (D z and W_v z, not z itself): the same
     W_v C_g Dᵀ and D C_g Dᵀ at a fraction of the cost. Attention in the model dtype, the sums in
@@ -96,16 +97,16 @@ def refit_outputs(src_attn, mla_attn, inputs: list[torch.Tensor], rope, causal: 
         gram += torch.einsum("bgitl,bgitm->glm", attended_latent, attended_latent)
     prior = mla_attn.v_up.weight.double().view(n_kv, d_h, -1)
     mla_attn.v_up.weight.copy_(torch.cat([ridge_fit(cross[g], gram[g], prior[g]) for g in range(n_kv)]))
-    if not o_proj:
-        return
 
-    width = n_heads * d_h
-    cross = torch.zeros(width, width, dtype=torch.float64)
-    gram = torch.zeros_like(cross)
-    for x, target in zip(inputs, targets):
-        got = mla_head_outputs(mla_attn, x, position_ids, causal)
-        target, got = target.reshape(-1, width).double(), got.reshape(-1, width).double()
-        cross += target.T @ got
-        gram += got.T @ got
-    w_o = src_attn.o_proj.weight.double()
-    mla_attn.o_proj.weight.copy_(ridge_fit(w_o @ cross, gram, w_o, O_PROJ_DAMPING))
+    heads = [mla_head_outputs(mla_attn, x, position_ids, causal) for x in inputs]
+    if o_proj:
+        width = n_heads * d_h
+        cross = torch.zeros(width, width, dtype=torch.float64)
+        gram = torch.zeros_like(cross)
+        for got, target in zip(heads, targets):
+            target, got = target.reshape(-1, width).double(), got.reshape(-1, width).double()
+            cross += target.T @ got
+            gram += got.T @ got
+        w_o = src_attn.o_proj.weight.double()
+        mla_attn.o_proj.weight.copy_(ridge_fit(w_o @ cross, gram, w_o, O_PROJ_DAMPING))
+    return [mla_attn.o_proj(h) for h in heads]
