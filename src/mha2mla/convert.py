@@ -60,7 +60,8 @@ RECIPES = {
 ROPE_SHARE = 1 / 4
 # Shares of a budget the split search gives RoPE (then rounded as above). Before the round-by-round
 # allocation, an eighth had the worst held-in loss at 48, 72 and 120 and a half was never best
-# (benchmarks/results/kv_budget_budgets.txt); few candidates keep the search under 10 minutes on 2 cores.
+# (benchmarks/results/kv_budget_budgets_previous_default.txt); few candidates keep the search under
+# 10 minutes on 2 cores.
 ROPE_SHARES = (1 / 5, 1 / 4, 1 / 3)
 HELD_IN_BLOCKS = 4  # held-in documents (one block each) that score the budget search's candidates
 AUTO_BALANCES = (0.25, 1.0, 4.0)  # K/V balances β tried by --kv-balance auto
