@@ -93,6 +93,17 @@ def test_full_rank_all_pairs_equals_source(name, init, tokenizer, wiki_dir):
     assert diff <= TOL, diff
 
 
+def test_full_rank_calibrated_on_the_source_equals_source(tokenizer, wiki_dir):
+    """sequential=False: every layer calibrated (and re-fit) on the source model's own activations."""
+    src = source("llama-gqa")
+    d_h = src.config.head_dim
+    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=d_h // 2, d_kv=max_d_kv(src.config, d_h // 2),
+                       sequential=False, refit="vo")
+    ids = ids_for()
+    diff = (mla(ids).logits - src(ids).logits).abs().max().item()
+    assert diff <= TOL, diff
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("strategy,init", [("2-norm", "activation"), ("uniform", "weight"), ("high", "output"),
                                            ("low", "activation")])

@@ -199,12 +199,6 @@ def copy_layer_rest(src_layer, mla_layer) -> None:
         getattr(mla_layer, name).load_state_dict(getattr(src_layer, name).state_dict())
 
 
-def after_attention(layer, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """The rest of a decoder layer once its attention output is known: residual, then the MLP block."""
-    hidden = hidden + attn_out
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-
 def copy_outer(source, mla) -> None:
     """Embeddings, final norm and LM head."""
     mla.model.embed_tokens.load_state_dict(source.model.embed_tokens.state_dict())
@@ -454,7 +448,7 @@ def convert_once(model, blocks, splits: list[tuple[int, int]], *, rope_strategy:
             return [step(h) for h in stats.hidden]
         if refit == "none":
             attn_out = [layer.self_attn(x, position_ids.expand(x.shape[0], -1), causal) for x in stats.inputs]
-        return [after_attention(layer, h, a) for h, a in zip(stats.hidden, attn_out)]
+        return [layer.after_attention(h, a) for h, a in zip(stats.hidden, attn_out)]
 
     calibrate(model, blocks, on_layer, progress=progress)
     mla.config.kept_pairs = kept_all

@@ -198,8 +198,12 @@ class MLADecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = MLARMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden_states, position_ids, attention_mask, cache=None):
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids,
-                                                       attention_mask, cache)
+        attn_out = self.self_attn(self.input_layernorm(hidden_states), position_ids, attention_mask, cache)
+        return self.after_attention(hidden_states, attn_out)
+
+    def after_attention(self, hidden_states, attn_out):
+        """The rest of the layer once its attention output is known: residual, then the MLP block."""
+        hidden_states = hidden_states + attn_out
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
