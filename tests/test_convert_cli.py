@@ -68,6 +68,8 @@ def test_eval_ppl_json(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--d-kv", "0"], "--d-kv"),
+    (["--d-kv", "-4"], "--d-kv"),
+    (["--dtype", "int8"], "--dtype"),
     (["--d-kv", "100"], "--d-kv"),
     (["--rope-pairs", "0"], "--rope-pairs"),
     (["--rope-pairs", "9"], "--rope-pairs"),
@@ -113,3 +115,47 @@ def test_corrupt_safetensors(tiny_dir, tmp_path):
     weights.write_bytes(weights.read_bytes()[: 5000])
     out = tmp_path / "out"
     assert_user_error(cli("convert", bad, out), out, "weights")
+
+
+def write_gguf(path, arch: str, tensor_type=None) -> None:
+    """A minimal GGUF file: an architecture and one tensor (of `tensor_type` where given)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    data = np.zeros((4, 32), dtype=np.int32 if tensor_type == gguf.GGMLQuantizationType.I32 else np.float32)
+    writer.add_tensor("token_embd.weight", data, raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_bad_gguf_files(smollm2, tmp_path):
+    import gguf
+
+    from mha2mla.sources import bundled_gguf
+
+    out = tmp_path / "out"
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("this is not a model\n" * 10)
+    assert_user_error(cli("convert", not_gguf, out), out, "not a readable GGUF")
+    truncated = tmp_path / "cut.gguf"
+    with open(bundled_gguf("smollm2-135m"), "rb") as f:
+        truncated.write_bytes(f.read(1_000_000))
+    assert_user_error(cli("convert", truncated, out), out, "GGUF")
+    gpt2 = tmp_path / "gpt2.gguf"
+    write_gguf(gpt2, "gpt2")
+    assert_user_error(cli("convert", gpt2, out), out, "architecture 'gpt2'")
+    ints = tmp_path / "ints.gguf"
+    write_gguf(ints, "llama", gguf.GGMLQuantizationType.I32)
+    assert_user_error(cli("convert", ints, out), out, "cannot be dequantized")
+    assert_user_error(cli("eval", "ppl", not_gguf), None, "not a readable GGUF")
+
+
+def test_qk_norm_source_is_refused(smollm2, tmp_path):
+    src = tmp_path / "qwen3"
+    tiny_source("qwen3", vocab=49152).save_pretrained(src)
+    smollm2[1].save_pretrained(src)
+    out = tmp_path / "out"
+    assert_user_error(cli("convert", src, out), out, "QK-norm")

@@ -62,6 +62,12 @@ def test_generate_streams_the_prompt_and_its_continuation(tiny_dirs, bits):
     assert proc.stdout.startswith("Once upon a time") and len(proc.stdout) > len("Once upon a time")
 
 
+def test_generate_from_an_empty_prompt_starts_at_the_bos_token(tiny_dirs):
+    proc = run_cli("generate", tiny_dirs[0], "", "--max-new-tokens", 4)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), proc.stdout
+
+
 def test_generate_rejects_kv_bits_outside_16_4_2(tiny_dirs):
     assert_user_error(run_cli("generate", tiny_dirs[0], "hello", "--kv-bits", 8), "--kv-bits", "16, 4 or 2")
 

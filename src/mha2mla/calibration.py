@@ -1,7 +1,7 @@
-"""One pass over calibration text → per-layer statistics of the attention inputs.
+"""Calibration text → statistics of one layer's attention inputs.
 
-The model runs layer by layer on the calibration blocks (hidden states of all blocks kept,
-statistics of one layer at a time); for each layer the conversion receives:
+The conversion runs the calibration blocks through the model one layer at a time (the hidden states
+of all blocks kept, one layer's weights and statistics at a time); for each layer it receives:
 
     cov     E[x xᵀ]  of the attention input x (after the layer's input RMSNorm), float64, [D, D]
     mean    E[x], [D]
@@ -16,10 +16,8 @@ statistics of one layer at a time); for each layer the conversion receives:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-from tqdm.auto import tqdm
 
 
 @dataclass
@@ -28,7 +26,6 @@ class LayerStats:
     mean: torch.Tensor
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    tokens: int
     inputs: list[torch.Tensor]
     hidden: list[torch.Tensor]
 
@@ -61,28 +58,18 @@ def source_layer_step(layer, causal: torch.Tensor, position_ids: torch.Tensor, r
 
 
 @torch.no_grad()
-def calibrate(model, blocks: torch.Tensor, on_layer: Callable, batch_size: int = 4, progress: bool = True) -> None:
-    """Run the calibration blocks through the model one layer at a time.
-
-    For layer i, `on_layer(i, stats)` receives the LayerStats of that layer's inputs and returns the
-    next layer's input hidden states (one tensor per batch) — those of the converted layer, so every
-    later layer is calibrated on the activations it will really see (errors of earlier layers
-    included), or of the source layer (`source_layer_step`) to follow the source model.
-    """
-    inner = model.model
-    config = model.config
+def layer_stats(layer, hidden: list[torch.Tensor], config) -> LayerStats:
+    """Statistics of one decoder layer's attention inputs for its input hidden states (one [b, T, D]
+    tensor per batch of calibration blocks)."""
     hidden_size = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or hidden_size // config.num_attention_heads
-    hidden = [inner.embed_tokens(blocks[i:i + batch_size]) for i in range(0, len(blocks), batch_size)]
-    layers = tqdm(inner.layers, desc="calibrating + converting layers", disable=not progress)
-    for idx, layer in enumerate(layers):
-        stats = {"xx": torch.zeros(hidden_size, hidden_size, dtype=torch.float64),
-                 "x": torch.zeros(hidden_size, dtype=torch.float64),
-                 "q": torch.zeros(config.num_attention_heads, head_dim // 2, dtype=torch.float64),
-                 "k": torch.zeros(config.num_key_value_heads, head_dim // 2, dtype=torch.float64), "n": 0}
-        inputs = [layer.input_layernorm(h) for h in hidden]
-        for x in inputs:
-            accumulate(layer.self_attn, x.reshape(-1, hidden_size), stats)
-        n = stats["n"]
-        hidden = on_layer(idx, LayerStats(cov=stats["xx"] / n, mean=stats["x"] / n, q_norm=stats["q"] / n,
-                                          k_norm=stats["k"] / n, tokens=n, inputs=inputs, hidden=hidden))
+    stats = {"xx": torch.zeros(hidden_size, hidden_size, dtype=torch.float64),
+             "x": torch.zeros(hidden_size, dtype=torch.float64),
+             "q": torch.zeros(config.num_attention_heads, head_dim // 2, dtype=torch.float64),
+             "k": torch.zeros(config.num_key_value_heads, head_dim // 2, dtype=torch.float64), "n": 0}
+    inputs = [layer.input_layernorm(h) for h in hidden]
+    for x in inputs:
+        accumulate(layer.self_attn, x.reshape(-1, hidden_size), stats)
+    n = stats["n"]
+    return LayerStats(cov=stats["xx"] / n, mean=stats["x"] / n, q_norm=stats["q"] / n, k_norm=stats["k"] / n,
+                      inputs=inputs, hidden=hidden)

@@ -1,14 +1,12 @@
-"""Write an MLA checkpoint that loads anywhere: weights, config with auto_map, modeling files,
-tokenizer, generation config and a model card; written to a temp dir, then renamed into place.
+"""The files of an MLA checkpoint that loads anywhere besides its weights (weights.ShardWriter):
+config with auto_map, modeling files, tokenizer, generation config and a model card.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
-from .sources import save_atomically
 
 MODELING_DIR = Path(__file__).parent / "modeling"
 MODELING_FILES = ("configuration_mla.py", "modeling_mla.py", "latent_cache.py")
@@ -41,20 +39,15 @@ def model_card(config) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save_mla(model, tokenizer, out: Path) -> None:
-    """Save an MLA model as a self-contained checkpoint at `out` (atomically)."""
-    model.config.auto_map = dict(AUTO_MAP)
-
-    def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        for name in MODELING_FILES:
-            shutil.copy(MODELING_DIR / name, tmp / name)
-        (tmp / "README.md").write_text(model_card(model.config))
-
-    save_atomically(Path(out), write)
-
-
-def read_config(path: Path) -> dict:
-    return json.loads((Path(path) / "config.json").read_text())
+def write_checkpoint_files(config, tokenizer, generation_config, directory: Path) -> None:
+    """Everything of a checkpoint but the weights: config (with auto_map), generation config,
+    tokenizer, the modeling files and the model card."""
+    config.auto_map = dict(AUTO_MAP)
+    config.save_pretrained(directory)
+    if generation_config is not None:
+        generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    for name in MODELING_FILES:
+        shutil.copy(MODELING_DIR / name, directory / name)
+    (directory / "README.md").write_text(model_card(config))

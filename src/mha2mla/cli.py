@@ -32,18 +32,18 @@ def _print_kv(r: dict) -> None:
 
 
 def cmd_convert(args) -> None:
-    from .convert import RECIPES, convert_model
+    from .convert import RECIPES, convert_checkpoint
 
     recipe = RECIPES[args.recipe]
-    model, _ = convert_model(
+    config, _ = convert_checkpoint(
         args.source, args.out, d_kv=args.d_kv, rope_pairs=args.rope_pairs,
         rope_strategy=args.rope_strategy or recipe["rope_strategy"], svd=args.svd,
         init=args.init or recipe["init"], sequential=recipe["sequential"], refit=args.refit or recipe["refit"],
         kv_budget=args.kv_budget, kv_reduction=args.kv_reduction, freq_fold=args.freq_fold or recipe["freq_fold"],
         kv_balance=args.kv_balance, per_layer_split=args.per_layer_split, as_mha=args.as_mha,
         calib_data=args.calib_data, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
-        overwrite=args.overwrite)
-    report = dict(model.config.conversion)
+        dtype=args.dtype, overwrite=args.overwrite)
+    report = dict(config.conversion)
     report["out"] = str(args.out)
     _emit(report, args.json, lambda r: (print(f"wrote {r['out']}"), _print_kv(r["kv"]),
                                         print(f"conversion took {r['seconds']:.1f} s")))
@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-data", nargs="+", default=None, help="calibration text files or directories")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-seq-len", type=int, default=512)
+    p.add_argument("--dtype", default="float32",
+                   help="float32, bfloat16 or float16: precision of the forward passes (statistics and "
+                        "factorisations are float64; the checkpoint keeps the source's dtype)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)

@@ -20,27 +20,34 @@ logs them, and keeps the best.
 
 from __future__ import annotations
 
+import copy
 import math
+import shutil
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM
 
-from .calibration import calibrate, source_layer_step
-from .checkpoint import save_mla
+from .calibration import layer_stats, source_layer_step
+from .checkpoint import write_checkpoint_files
 from .data import calibration_blocks, default_train_text
 from .errors import UserError
 from .evaluate.kv_memory import kv_report, source_elements_per_token_per_layer
-from .expand import expand_to_mha
+from .expand import expanded_source
 from .lowrank import cholesky_factor, joint_factors, key_row_weight, second_moment, value_row_weight
 from .modeling import MLAConfig, MLAForCausalLM
-from .modeling.modeling_mla import MLAAttention
+from .modeling.modeling_mla import MLAAttention, MLADecoderLayer
 from .partial_rope import STRATEGIES, check_rope_pairs, select_pairs, split_dims
 from .refit import REFITS, refit_outputs
 from .rope_pca import pca_basis, query_rows
-from .sources import check_family, load_source
+from .sources import open_source, save_atomically
+from .weights import ShardWriter
 
 INITS = ("weight", "activation", "output")
 # Named settings. `default` is the best measured on SmolLM2-135M (benchmarks/kv_budget.py, README):
@@ -65,6 +72,7 @@ ROPE_SHARE = 1 / 4
 ROPE_SHARES = (1 / 5, 1 / 4, 1 / 3)
 HELD_IN_BLOCKS = 4  # held-in documents (one block each) that score the budget search's candidates
 AUTO_BALANCES = (0.25, 1.0, 4.0)  # K/V balances β tried by --kv-balance auto
+CALIB_BATCH = 4  # calibration blocks per forward pass
 
 
 def head_dim_of(config) -> int:
@@ -199,14 +207,6 @@ def copy_layer_rest(src_layer, mla_layer) -> None:
         getattr(mla_layer, name).load_state_dict(getattr(src_layer, name).state_dict())
 
 
-def copy_outer(source, mla) -> None:
-    """Embeddings, final norm and LM head."""
-    mla.model.embed_tokens.load_state_dict(source.model.embed_tokens.state_dict())
-    mla.model.norm.load_state_dict(source.model.norm.state_dict())
-    if not mla.config.tie_word_embeddings:
-        mla.lm_head.load_state_dict(source.lm_head.state_dict())
-
-
 def validate(config, latent: int, rope_pairs: int, rope_strategy: str, svd: str, init: str, refit: str) -> None:
     d_h, n_kv = head_dim_of(config), config.num_key_value_heads
     if rope_strategy == "pca":
@@ -259,48 +259,75 @@ def budget_candidates(config, budget: int, strategy: str, fold: int = 1) -> list
     return options
 
 
-@torch.no_grad()
-def held_in_loss(model, blocks: torch.Tensor) -> float:
-    """Mean next-token loss on held-in blocks (the budget search's calibration objective)."""
-    losses = [model(b[None], labels=b[None], use_cache=False).loss.item() for b in blocks]
-    return sum(losses) / len(losses)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | None = None,
-                  rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
-                  kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 4,
-                  kv_balance: float | str = 1.0, sequential: bool = True, refit: str = "vo",
-                  per_layer_split: bool = False, as_mha: bool = False, calib_data=None,
-                  calib_samples: int = 16, calib_seq_len: int = 512, overwrite: bool = False,
-                  progress: bool = True):
+def compute_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise UserError(f"unknown --dtype {dtype}: use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def convert_model(source, out=None, **settings):
     """Convert `source` (path/alias or a (model, tokenizer) tuple) to MLA → (MLAForCausalLM, tokenizer).
+
+    The checkpoint is written (convert_checkpoint) to `out`, or to a temporary directory when `out`
+    is None, and loaded from there; see convert_checkpoint for the settings.
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(out) if out is not None else Path(scratch) / "mla"
+        config, tokenizer = convert_checkpoint(source, path, **settings)
+        model = MLAForCausalLM.from_pretrained(path, dtype=config.dtype).eval()
+    return model, tokenizer
+
+
+def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | None = None,
+                       rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
+                       kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 4,
+                       kv_balance: float | str = 1.0, sequential: bool = True, refit: str = "vo",
+                       per_layer_split: bool = False, as_mha: bool = False, calib_data=None,
+                       calib_samples: int = 16, calib_seq_len: int = 512, dtype="float32",
+                       overwrite: bool = False, progress: bool = True):
+    """Convert `source` (path/alias/hub id or a (model, tokenizer) tuple) to an MLA checkpoint at `out`
+    → (its MLAConfig, tokenizer). The source is streamed layer by layer (sources.open_source) and the
+    checkpoint written shard by shard into a temporary directory renamed to `out` at the end
+    (refusing a non-empty `out` unless `overwrite`).
 
     The cache size is set either by `d_kv` (latent per KV head) and `rope_pairs`, or by a budget:
     `kv_budget` values per token per layer, or `kv_reduction` percent below the source (the split
-    between RoPE dims and latent is then searched). With `pca` and no `rope_pairs`, `d_kv` means
-    the paper's cache size n_kv·(d_kv + 2·d_h/16), split with a ROPE_SHARE of it for RoPE. With `out`
-    the checkpoint is written there atomically (refusing a non-empty `out` unless `overwrite`).
-    `sequential` calibrates each layer on the outputs of the already converted layers before it
-    (so it compensates their error); False follows the source model's activations. `kv_balance` β
-    weights value errors against key errors in the joint factorisation; "auto" tries AUTO_BALANCES
-    and keeps the best by held-in loss (with the split search when there is one). `refit`: "v"
-    re-fits v_up, "vo" v_up then o_proj, to the source's attention output (refit); "none" keeps the
-    factorisation's own. `per_layer_split` (with a budget): every layer picks its own split among the budget's candidates, by the error of its
-    attention output on the calibration inputs (convert_once), instead of one split for all layers.
+    between RoPE dims and latent is then searched: every candidate is converted in a streaming pass
+    of its own and scored on held-in text as it goes; the best one's files are kept). With `pca` and
+    no `rope_pairs`, `d_kv` means the paper's cache size n_kv·(d_kv + 2·d_h/16), split with a
+    ROPE_SHARE of it for RoPE. `sequential` calibrates each layer on the outputs of the already
+    converted layers before it (so it compensates their error); False follows the source model's
+    activations. `kv_balance` β weights value errors against key errors in the joint factorisation;
+    "auto" tries AUTO_BALANCES and keeps the best by held-in loss (with the split search when there
+    is one). `refit`: "v" re-fits v_up, "vo" v_up then o_proj, to the source's attention output
+    (refit); "none" keeps the factorisation's own. `per_layer_split` (with a budget): every layer
+    picks its own split among the budget's candidates, by the error of its attention output on the
+    calibration inputs (convert_once), instead of one split for all layers. `dtype`: the precision
+    of the forward passes (statistics and factorisations are float64 whatever it is); the checkpoint
+    keeps the source's storage dtype.
     """
     start = time.perf_counter()
-    if out is not None:
-        check_output_dir(out, overwrite)
+    out = Path(out)
+    check_output_dir(out, overwrite)
     if rope_strategy not in STRATEGIES + ("pca",):
         raise UserError(f"unknown --rope-strategy {rope_strategy}: use one of {', '.join(STRATEGIES + ('pca',))}")
-    model, tokenizer = load_source(source) if isinstance(source, (str, Path)) else source
-    check_family(model.config)
-    original_config = model.config
+    dtype = compute_dtype(dtype)
+    src = open_source(source)
+    original_config = src.config
     if as_mha:
-        model = expand_to_mha(model)
-    config = model.config
+        src = expanded_source(src)
+    config = src.config
     if calib_samples < 1:
         raise UserError("--calib-samples must be at least 1")
+    if d_kv is not None and d_kv < 1:
+        raise UserError(f"--d-kv must be at least 1 (got {d_kv})")
+    if rope_pairs is not None and rope_pairs < 1:
+        raise UserError(f"--rope-pairs must be at least 1 (got {rope_pairs})")
     if kv_reduction is not None:
         if not 0 < kv_reduction < 100:
             raise UserError(f"--kv-reduction {kv_reduction} must be between 0 and 100 (percent)")
@@ -330,43 +357,55 @@ def convert_model(source, out=None, *, d_kv: int | None = 16, rope_pairs: int | 
     plans = [tuple(candidates)] if per_layer_split else [((r, latent),) for r, latent in candidates]
     candidates = [(plan, b) for plan in plans for b in balances]
     n_held_in = HELD_IN_BLOCKS if len(candidates) > 1 else 0
-    calib, held_in = calibration_blocks(tokenizer, calib_data or [default_train_text()], calib_seq_len,
+    calib, held_in = calibration_blocks(src.tokenizer, calib_data or [default_train_text()], calib_seq_len,
                                         calib_samples, n_held_in)
     if len(held_in) < n_held_in:
         raise UserError(f"the budget search needs {n_held_in} more documents of at least {calib_seq_len} tokens "
                         f"after the calibration samples: add text or lower --calib-samples/--calib-seq-len")
-    source_name = str(source if isinstance(source, (str, Path)) else config._name_or_path)
-    settings = dict(rope_strategy=rope_strategy, svd=svd, init=init, freq_fold=freq_fold,
-                    sequential=sequential, refit=refit, source_name=source_name, progress=progress)
-    if len(candidates) == 1:
-        plan, balance = candidates[0]
-        mla, tried = convert_once(model, calib, list(plan), kv_balance=balance, **settings), []
-    else:
-        tried, best = [], None
-        for plan, balance in candidates:
-            mla_try = convert_once(model, calib, list(plan), kv_balance=balance, **settings)
-            loss = held_in_loss(mla_try, held_in)
-            c = mla_try.config
-            split = ({"rope_pairs": c.layer_rope_pairs, "latent_dim": c.layer_latent_dims} if len(plan) > 1
-                     else {"rope_pairs": c.rope_pairs, "latent_dim": c.latent_dim})
-            tried.append({**split, "kv_balance": balance, "held_in_loss": loss})
-            what = "per layer" if len(plan) > 1 else f"rope dims {c.n_rope_heads * 2 * c.rope_pairs}, latent {c.latent_dim}"
-            print(f"  candidate: {what}, K/V balance {balance:g} → held-in loss {loss:.4f}", file=sys.stderr)
+    settings = dict(rope_strategy=rope_strategy, svd=svd, init=init, freq_fold=freq_fold, sequential=sequential,
+                    refit=refit, dtype=dtype, progress=progress)
+    tried = []
+
+    def write(tmp: Path) -> None:
+        nonlocal kv_balance
+        best = None
+        for i, (plan, balance) in enumerate(candidates):
+            directory = tmp / f"candidate-{i}"
+            directory.mkdir()
+            mla_config, loss = convert_once(src, calib, held_in if n_held_in else None, list(plan), directory,
+                                            kv_balance=balance, **settings)
+            if n_held_in:
+                c = mla_config
+                split = ({"rope_pairs": c.layer_rope_pairs, "latent_dim": c.layer_latent_dims} if len(plan) > 1
+                         else {"rope_pairs": c.rope_pairs, "latent_dim": c.latent_dim})
+                tried.append({**split, "kv_balance": balance, "held_in_loss": loss})
+                what = ("per layer" if len(plan) > 1
+                        else f"rope dims {c.n_rope_heads * 2 * c.rope_pairs}, latent {c.latent_dim}")
+                print(f"  candidate: {what}, K/V balance {balance:g} → held-in loss {loss:.4f}", file=sys.stderr)
             if best is None or loss < best[0]:
-                best = (loss, balance, mla_try)
-        _, kv_balance, mla = best
-    mla.generation_config = model.generation_config
-    mla.config.conversion = {
-        "rope_strategy": rope_strategy, "init": init, "svd": svd, "freq_fold": freq_fold, "as_mha": as_mha,
-        "sequential": sequential, "refit": refit, "kv_balance": kv_balance, "per_layer_split": per_layer_split,
-        "calib_samples": len(calib),
-        "calib_seq_len": calib_seq_len, "budget_candidates": tried, "seconds": time.perf_counter() - start,
-        "kv": kv_report(mla.config, dtype_bytes=mla.dtype.itemsize,
-                        original_config=original_config if as_mha else None),
-    }
-    if out is not None:
-        save_mla(mla, tokenizer, Path(out))
-    return mla, tokenizer
+                if best is not None:
+                    shutil.rmtree(best[2])
+                best = (loss, mla_config, directory, balance)
+            else:
+                shutil.rmtree(directory)
+        _, mla_config, directory, kv_balance = best
+        for file in directory.iterdir():
+            file.rename(tmp / file.name)
+        directory.rmdir()
+        mla_config.conversion = {
+            "rope_strategy": rope_strategy, "init": init, "svd": svd, "freq_fold": freq_fold, "as_mha": as_mha,
+            "sequential": sequential, "refit": refit, "kv_balance": kv_balance, "per_layer_split": per_layer_split,
+            "calib_samples": len(calib), "calib_seq_len": calib_seq_len, "dtype": str(dtype).removeprefix("torch."),
+            "budget_candidates": tried, "seconds": time.perf_counter() - start,
+            "kv": kv_report(mla_config, dtype_bytes=src.reader.dtype.itemsize,
+                            original_config=original_config if as_mha else None),
+        }
+        write_checkpoint_files(mla_config, src.tokenizer, src.generation_config, tmp)
+        result.append(mla_config)
+
+    result = []
+    save_atomically(out, write)
+    return result[0], src.tokenizer
 
 
 @torch.no_grad()
@@ -382,81 +421,126 @@ def attention_error(mla_attn, inputs: list[torch.Tensor], targets: list[torch.Te
     return err / total
 
 
+def load_module(reader, meta_module: torch.nn.Module, prefix: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of a module of the meta-device skeleton with its tensors `prefix…` read from the checkpoint."""
+    module = copy.deepcopy(meta_module).to_empty(device="cpu").to(dtype)
+    names = reader.names()
+    missing = [prefix + n for n in module.state_dict() if prefix + n not in names]
+    if missing:
+        raise UserError(f"the source checkpoint lacks {missing[0]} (incomplete or not a {reader.config.model_type} "
+                        f"checkpoint)")
+    module.load_state_dict({n: reader.get(prefix + n) for n in module.state_dict()})
+    return module.eval()
+
+
+def next_token_loss(logits: torch.Tensor, blocks: torch.Tensor) -> float:
+    """Mean over blocks of each block's mean next-token loss."""
+    losses = [F.cross_entropy(lg[:-1].float(), b[1:]).item() for lg, b in zip(logits, blocks)]
+    return sum(losses) / len(losses)
+
+
 @torch.no_grad()
-def convert_once(model, blocks, splits: list[tuple[int, int]], *, rope_strategy: str, svd: str, init: str,
-                 freq_fold: int, kv_balance: float, sequential: bool, refit: str, source_name: str,
-                 progress: bool):
-    """One conversion. With one (rope_pairs, latent_dim) split every layer uses it; with several,
-    each layer takes the split whose attention output is closest to the source's on its calibration
-    inputs (attention_error, before any refit), and the config lists the split of every layer."""
-    config = model.config
+def convert_once(src, blocks, held_in, splits: list[tuple[int, int]], directory: Path, *, rope_strategy: str,
+                 svd: str, init: str, freq_fold: int, kv_balance: float, sequential: bool, refit: str,
+                 dtype: torch.dtype, progress: bool):
+    """One streaming conversion of `src` into `directory`'s weight shards → (MLAConfig, held-in loss).
+
+    Layer by layer: read the source layer, measure its calibration statistics, convert it, write
+    it, let it go; the calibration hidden states (and the held-in blocks', when given, through the
+    converted layers: the loss the budget search compares) move on to the next layer. With one
+    (rope_pairs, latent_dim) split every layer uses it; with several, each layer takes the split
+    whose attention output is closest to the source's on its calibration inputs (attention_error,
+    before any refit), and the config lists the split of every layer."""
+    config, reader = src.config, src.reader
     n_heads, n_kv, d_h = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
     n_layers = config.num_hidden_layers
     shared = rope_strategy == "pca"
-    rotary = model.model.rotary_emb
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    rotary = type(skeleton.model.rotary_emb)(config=config)
     inv_freq = rotary.inv_freq.tolist()
     rope_pairs, latent = splits[0]
     placeholder = [[[i % (d_h // 2) for i in range(rope_pairs)]] * (1 if shared else n_kv)] * n_layers
-    mla = MLAForCausalLM(mla_config_for(
+    mla_config = mla_config_for(
         config, rope_pairs=rope_pairs, latent_dim=latent, rope_layout="shared" if shared else "per_head", svd=svd,
         kept_pairs=placeholder, inv_freq=inv_freq, scaling=float(getattr(rotary, "attention_scaling", 1.0)),
-        source_name=source_name)).to(model.dtype).eval()
+        source_name=src.name)
+    mla_config.dtype = reader.dtype
     if len(splits) > 1:
-        mla.config.layer_rope_pairs, mla.config.layer_latent_dims = [rope_pairs] * n_layers, [latent] * n_layers
+        mla_config.layer_rope_pairs, mla_config.layer_latent_dims = [rope_pairs] * n_layers, [latent] * n_layers
     kept_all = []
     seq = blocks.shape[1]
     position_ids = torch.arange(seq)[None]
-    causal = torch.full((seq, seq), torch.finfo(model.dtype).min, dtype=model.dtype).triu(1)[None, None]
-    rope = rotary(model.model.embed_tokens.weight[:1][None], position_ids)
+    causal = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+    rope = rotary(torch.zeros(1, dtype=dtype), position_ids)
+    embed = load_module(reader, skeleton.model.embed_tokens, "model.embed_tokens.", dtype)
+    hidden = [embed(blocks[i:i + CALIB_BATCH]) for i in range(0, len(blocks), CALIB_BATCH)]
+    held = embed(held_in) if held_in is not None else None
+    writer = ShardWriter(directory)
+    out_dtype = reader.dtype
 
-    def build(idx, src, stats, moments, r, width):
+    def build(idx, src_layer, stats, moments, r, width):
         """A fresh MLA attention for layer idx at split (r, width), converted from the source's."""
         if len(splits) > 1:
-            mla.config.layer_rope_pairs[idx], mla.config.layer_latent_dims[idx] = r, width
-        attn = MLAAttention(mla.config, idx).to(model.dtype)
+            mla_config.layer_rope_pairs[idx], mla_config.layer_latent_dims[idx] = r, width
+        attn = MLAAttention(mla_config, idx).to(dtype)
         if shared:
             choice = pca_basis(*moments, n_heads, n_kv, d_h, r, freq_fold, inv_freq, seq)
             kept = [choice.freq_index]
         else:
             choice = kept = select_pairs(rope_strategy, r, d_h, n_kv, stats.q_norm, stats.k_norm)
         attn.set_rope_pairs(kept, inv_freq)
-        convert_layer(src.self_attn, attn, choice, stats, width, svd, init, kv_balance, shared)
+        convert_layer(src_layer.self_attn, attn, choice, stats, width, svd, init, kv_balance, shared)
         return attn, kept
 
-    def on_layer(idx, stats):
-        src, layer = model.model.layers[idx], mla.model.layers[idx]
+    for idx in tqdm(range(n_layers), desc="converting layers", disable=not progress):
+        src_layer = load_module(reader, skeleton.model.layers[idx], f"model.layers.{idx}.", dtype)
+        stats = layer_stats(src_layer, hidden, config)
+        layer = MLADecoderLayer(mla_config, idx).to(dtype).eval()
         tried, moments = [], None
         if shared:  # E[k kᵀ], E[q qᵀ] of the source on this layer's inputs, for every split's PCA
             moments = tuple(second_moment(proj.weight, proj.bias, stats.cov, stats.mean)
-                            for proj in (src.self_attn.k_proj, src.self_attn.q_proj))
+                            for proj in (src_layer.self_attn.k_proj, src_layer.self_attn.q_proj))
         if len(splits) > 1:
-            targets = [src.self_attn(x, position_embeddings=rope, attention_mask=causal)[0] for x in stats.inputs]
+            targets = [src_layer.self_attn(x, position_embeddings=rope, attention_mask=causal)[0]
+                       for x in stats.inputs]
         for r, width in splits:
-            attn, kept = build(idx, src, stats, moments, r, width)
+            attn, kept = build(idx, src_layer, stats, moments, r, width)
             error = attention_error(attn, stats.inputs, targets, causal, position_ids) if len(splits) > 1 else 0.0
             tried.append((error, r, width, attn, kept))
         _, r, width, layer.self_attn, kept = min(tried, key=lambda t: t[0])
         if len(splits) > 1:
-            mla.config.layer_rope_pairs[idx], mla.config.layer_latent_dims[idx] = r, width
+            mla_config.layer_rope_pairs[idx], mla_config.layer_latent_dims[idx] = r, width
         kept_all.append(kept)
         if refit != "none":
-            attn_out = refit_outputs(src.self_attn, layer.self_attn, stats.inputs, rope, causal, position_ids,
+            attn_out = refit_outputs(src_layer.self_attn, layer.self_attn, stats.inputs, rope, causal, position_ids,
                                      o_proj=refit == "vo")
-        copy_layer_rest(src, layer)
+        copy_layer_rest(src_layer, layer)
         if not sequential:
-            step = source_layer_step(src, causal, position_ids, rope)
-            return [step(h) for h in stats.hidden]
-        if refit == "none":
-            attn_out = [layer.self_attn(x, position_ids.expand(x.shape[0], -1), causal) for x in stats.inputs]
-        return [layer.after_attention(h, a) for h, a in zip(stats.hidden, attn_out)]
+            step = source_layer_step(src_layer, causal, position_ids, rope)
+            hidden = [step(h) for h in stats.hidden]
+        else:
+            if refit == "none":
+                attn_out = [layer.self_attn(x, position_ids.expand(x.shape[0], -1), causal) for x in stats.inputs]
+            hidden = [layer.after_attention(h, a) for h, a in zip(stats.hidden, attn_out)]
+        if held is not None:
+            held = layer(held, position_ids.expand(held.shape[0], -1), causal)
+        writer.add_module(f"model.layers.{idx}.", layer, out_dtype)
+        del src_layer, layer, stats, tried
 
-    calibrate(model, blocks, on_layer, progress=progress)
-    mla.config.kept_pairs = kept_all
+    norm = load_module(reader, skeleton.model.norm, "model.norm.", dtype)
+    writer.add_module("model.norm.", norm, out_dtype)
+    writer.add_module("model.embed_tokens.", embed, out_dtype)
+    lm_head = embed if config.tie_word_embeddings else load_module(reader, skeleton.lm_head, "lm_head.", dtype)
+    if not config.tie_word_embeddings:
+        writer.add_module("lm_head.", lm_head, out_dtype)
+    writer.close()
+    loss = None
+    if held is not None:
+        loss = next_token_loss(F.linear(norm(held), lm_head.weight), held_in)
+    mla_config.kept_pairs = kept_all
     if len(splits) > 1:  # the scalars name the most common split
-        counts = Counter(zip(mla.config.layer_rope_pairs, mla.config.layer_latent_dims))
-        mla.config.rope_pairs, mla.config.latent_dim = counts.most_common(1)[0][0]
-        mla.config.d_kv = mla.config.latent_dim // n_kv
-    copy_outer(model, mla)
-    if mla.config.tie_word_embeddings:
-        mla.tie_weights()
-    return mla
+        counts = Counter(zip(mla_config.layer_rope_pairs, mla_config.layer_latent_dims))
+        mla_config.rope_pairs, mla_config.latent_dim = counts.most_common(1)[0][0]
+        mla_config.d_kv = mla_config.latent_dim // n_kv
+    return mla_config, loss

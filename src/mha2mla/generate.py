@@ -57,6 +57,10 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, kv_bi
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     ids = tokenizer(prompt, return_tensors="pt")
+    if ids["input_ids"].shape[1] == 0:  # an empty prompt: continue from the beginning-of-sequence token
+        if tokenizer.bos_token_id is None:
+            raise UserError("the prompt is empty and the tokenizer has no beginning-of-sequence token: give a prompt")
+        ids = {"input_ids": torch.tensor([[tokenizer.bos_token_id]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
     prompt_len = ids["input_ids"].shape[1]
     check_fits_context(model, prompt_len + max_new_tokens,
                        f"the prompt ({prompt_len} tokens) plus --max-new-tokens {max_new_tokens}")

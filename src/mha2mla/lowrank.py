@@ -22,14 +22,30 @@ from __future__ import annotations
 
 import torch
 
+from .errors import UserError
+
 DAMPING = 1e-4
+MAX_DAMPING = 1e-1  # cholesky_factor raises the damping tenfold at a time up to this before giving up
 
 
 def cholesky_factor(cov: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
-    """Lower-triangular L with L Lᵀ = cov + damping·mean(diag)·I."""
+    """Lower-triangular L with L Lᵀ = cov + λ·mean(diag)·I, λ = damping, or tenfold more (up to
+    MAX_DAMPING) where rounding leaves the damped matrix not positive-definite (a second moment of
+    fewer tokens than dimensions is singular; the damping alone makes it definite in exact arithmetic)."""
     cov = cov.double()
+    if not torch.isfinite(cov).all():
+        raise UserError("the calibration statistics are not finite (the forward pass overflowed): convert with "
+                        "--dtype float32")
     eye = torch.eye(cov.shape[0], dtype=torch.float64)
-    return torch.linalg.cholesky(cov + damping * cov.diagonal().mean() * eye)
+    scale = cov.diagonal().mean()
+    while True:
+        chol, info = torch.linalg.cholesky_ex(cov + damping * scale * eye)
+        if info == 0:
+            return chol
+        if damping * 10 > MAX_DAMPING:
+            raise UserError(f"the calibration statistics are not positive-definite even with damping {damping:g}: "
+                            f"add calibration text (--calib-samples, --calib-seq-len)")
+        damping *= 10
 
 
 def factorize(weight: torch.Tensor, rank: int, chol: torch.Tensor | None = None,

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .lowrank import second_moment
 
 
 @dataclass

