@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +33,9 @@ from .errors import UserError
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
-# Shards are flushed at this size: small enough to bound the writer's memory, large enough that a 7B
-# checkpoint has a handful of files (save_pretrained's own default, 50 GB in transformers 5, would
-# hold a whole 7B model in memory before the first write).
-MAX_SHARD_BYTES = 2 * 1024**3
+# Shards are flushed at this size: small enough to bound the writer's memory (save_pretrained's own
+# default, 50 GB in transformers 5, would hold a whole 7B model in memory before the first write).
+MAX_SHARD_BYTES = 512 * 1024**2
 
 
 class StateDictReader:
@@ -66,20 +66,22 @@ class SafetensorsReader:
         else:
             raise UserError(f"no safetensors weights in {directory} (expected {SAFE_WEIGHTS} or {SAFE_INDEX})")
         files = sorted(set(weight_map.values())) if weight_map else [SAFE_WEIGHTS]
-        self._files = {}
+        self._directory = directory
+        keys = {}
         for file in files:
             path = directory / file
             if not path.is_file():
                 raise UserError(f"shard {file} listed in {SAFE_INDEX} is missing from {directory} "
                                 f"(re-download the checkpoint)")
             try:
-                self._files[file] = safe_open(str(path), framework="pt")
+                with safe_open(str(path), framework="pt") as f:
+                    keys[file] = set(f.keys())
             except (SafetensorError, OSError) as e:
                 raise UserError(f"cannot read the weights in {path}: not a readable safetensors file "
                                 f"({str(e).splitlines()[0][:120]}; truncated? re-download it)") from None
-        self._where = weight_map or {name: SAFE_WEIGHTS for name in self._files[SAFE_WEIGHTS].keys()}
+        self._where = weight_map or dict.fromkeys(keys[SAFE_WEIGHTS], SAFE_WEIGHTS)
         for name, file in self._where.items():
-            if name not in self._files[file].keys():
+            if name not in keys[file]:
                 raise UserError(f"{file} lacks {name}, which {SAFE_INDEX} places there (re-download the checkpoint)")
         first = next(iter(self._where))
         self.dtype = self.get(first).dtype
@@ -88,7 +90,10 @@ class SafetensorsReader:
         return set(self._where)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._files[self._where[name]].get_tensor(name)
+        # opened per tensor: the memory map (and the pages it touched) goes with the file, so the
+        # process's resident memory does not grow towards the checkpoint's size as layers are read
+        with safe_open(str(self._directory / self._where[name]), framework="pt") as f:
+            return f.get_tensor(name)
 
 
 class GGUFTensorReader:
@@ -120,7 +125,16 @@ class GGUFTensorReader:
         weights = self._dequantize(tensor.data, tensor.tensor_type)
         weights = self._processor.process(weights=weights, name=tensor.name, tensor_key_mapping=self._names,
                                           parsed_parameters={}).weights
-        return torch.from_numpy(np.array(weights, dtype=np.float32))
+        result = torch.from_numpy(np.array(weights, dtype=np.float32))
+        self._release_pages()
+        return result
+
+    def _release_pages(self) -> None:
+        """Drop the file pages the read touched from this process (they are re-read from the file if
+        needed), so resident memory does not grow towards the file's size as layers are read."""
+        mapping = getattr(self._reader.data, "_mmap", None)  # numpy.memmap's mmap.mmap
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def _dequantizable() -> set:
