@@ -35,10 +35,15 @@ SHAPES = {  # billions → (hidden, layers, heads, kv heads, intermediate)
     1.5: (2048, 22, 16, 8, 8192),
     3.0: (3072, 28, 24, 8, 8192),
 }
+TARGETS = {  # shapes of the sizes users convert: (hidden, layers, heads, kv heads, intermediate, vocab)
+    "Llama-2-7B": (4096, 32, 32, 32, 11008, 32000),
+    "Llama-3-8B": (4096, 32, 32, 8, 14336, 128256),
+    "Llama-3-70B": (8192, 80, 64, 8, 28672, 128256),
+}
 CONVERT = ["--d-kv", "16", "--calib-samples", "4", "--calib-seq-len", "256"]
 
 
-def llama_config(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int):
+def llama_config(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int = 49152):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -69,7 +74,7 @@ def write_random_llama(path: Path, config, tokenizer) -> int:
 
 def bound_gb(config) -> float:
     """Embeddings + two layers (float32) + calibration activations + 1 GB, in GB."""
-    d, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    d, inter = config.hidden_size, config.intermediate_size
     kv = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
     layer = 2 * d * d + 2 * d * kv + 3 * d * inter
     embeddings = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
@@ -130,18 +135,16 @@ def main() -> None:
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="convert-memory-"))
     print("| source | params (B) | path | peak RSS (GB) | bound (GB) | time (s) |")
     print("|---|---|---|---|---|---|")
-    growth = []
+    growth = []  # (bound, peak) in GB of the random Llama rows
     for alias in filter(None, args.real.split(",")):
         config = open_source(alias).config
         params = sum(t.numel() for t in load_source(alias)[0].state_dict().values())
         for in_memory in (False, True):
             result = measure(alias, scratch / "out", in_memory)
             row(alias, params, "in memory" if in_memory else "streaming", result, bound_gb(config))
-            if not in_memory and "peak_bytes" in result:
-                growth.append((params, result["peak_bytes"]))
     tokenizer = load_source("smollm2-135m")[1]
     for size in (float(s) for s in args.sizes.split(",") if s):
-        config = llama_config(*SHAPES[size], vocab=len(tokenizer))
+        config = llama_config(*SHAPES[size], len(tokenizer))
         path = scratch / f"llama-{size}b"
         shutil.rmtree(path, ignore_errors=True)
         params = write_random_llama(path, config, tokenizer)
@@ -149,14 +152,15 @@ def main() -> None:
         row(f"random Llama {size}B (bf16)", params, "streaming", result, bound_gb(config))
         shutil.rmtree(path)
         if "peak_bytes" in result:
-            growth.append((params, result["peak_bytes"]))
-    if len(growth) >= 2:
-        (p0, m0), (p1, m1) = min(growth), max(growth)
-        per_b = (m1 - m0) / (p1 - p0)
-        print(f"\ngrowth of the streaming peak: {per_b:.2f} GB per billion parameters "
-              f"(between {p0 / 1e9:.2f}B and {p1 / 1e9:.2f}B); extrapolated 7B: {(m0 + per_b * (7e9 - p0)) / 1e9:.1f} GB, "
-              f"70B: {(m0 + per_b * (70e9 - p0)) / 1e9:.1f} GB")
-
+            growth.append((bound_gb(config), result["peak_bytes"] / 1e9))
+    if len(growth) >= 2:  # peak against the bound over the random Llama rows: peak ≈ a·bound + b
+        (b0, m0), (b1, m1) = growth[-2], growth[-1]
+        a = (m1 - m0) / (b1 - b0)
+        print(f"\nstreaming peak against the bound (random Llama rows): peak ≈ {a:.2f} × bound "
+              f"{m0 - a * b0:+.2f} GB")
+        for name, shape in TARGETS.items():
+            bound = bound_gb(llama_config(*shape))
+            print(f"{name}: bound {bound:.1f} GB → estimated peak {a * bound + m0 - a * b0:.1f} GB")
 
 if __name__ == "__main__":
     main()

@@ -70,6 +70,7 @@ def test_eval_ppl_json(tiny_dir, tmp_path):
     (["--d-kv", "0"], "--d-kv"),
     (["--d-kv", "-4"], "--d-kv"),
     (["--dtype", "int8"], "--dtype"),
+    (["--device", "tpu:x"], "--device"),
     (["--d-kv", "100"], "--d-kv"),
     (["--rope-pairs", "0"], "--rope-pairs"),
     (["--rope-pairs", "9"], "--rope-pairs"),

@@ -42,11 +42,12 @@ def cmd_convert(args) -> None:
         kv_budget=args.kv_budget, kv_reduction=args.kv_reduction, freq_fold=args.freq_fold or recipe["freq_fold"],
         kv_balance=args.kv_balance, per_layer_split=args.per_layer_split, as_mha=args.as_mha,
         calib_data=args.calib_data, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
-        dtype=args.dtype, overwrite=args.overwrite)
+        dtype=args.dtype, device=args.device, overwrite=args.overwrite)
     report = dict(config.conversion)
     report["out"] = str(args.out)
     _emit(report, args.json, lambda r: (print(f"wrote {r['out']}"), _print_kv(r["kv"]),
-                                        print(f"conversion took {r['seconds']:.1f} s")))
+                                        print(f"conversion took {r['seconds']:.1f} s, peak resident memory "
+                                              f"{r['process_peak_rss_mb']:.0f} MB")))
 
 
 def cmd_eval_ppl(args) -> None:
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32",
                    help="float32, bfloat16 or float16: precision of the forward passes (statistics and "
                         "factorisations are float64; the checkpoint keeps the source's dtype)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N: where layers are calibrated and factored (default: a GPU if any)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+import resource
 import shutil
 import sys
 import tempfile
@@ -270,6 +271,23 @@ def compute_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (the conversion's own, when run by the CLI)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def compute_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown --device {device}: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA GPU is available here (use --device cpu)")
+    return device
+
+
 def convert_model(source, out=None, **settings):
     """Convert `source` (path/alias or a (model, tokenizer) tuple) to MLA → (MLAForCausalLM, tokenizer).
 
@@ -288,7 +306,7 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
                        kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 4,
                        kv_balance: float | str = 1.0, sequential: bool = True, refit: str = "vo",
                        per_layer_split: bool = False, as_mha: bool = False, calib_data=None,
-                       calib_samples: int = 16, calib_seq_len: int = 512, dtype="float32",
+                       calib_samples: int = 16, calib_seq_len: int = 512, dtype="float32", device=None,
                        overwrite: bool = False, progress: bool = True):
     """Convert `source` (path/alias/hub id or a (model, tokenizer) tuple) to an MLA checkpoint at `out`
     → (its MLAConfig, tokenizer). The source is streamed layer by layer (sources.open_source) and the
@@ -309,7 +327,8 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     picks its own split among the budget's candidates, by the error of its attention output on the
     calibration inputs (convert_once), instead of one split for all layers. `dtype`: the precision
     of the forward passes (statistics and factorisations are float64 whatever it is); the checkpoint
-    keeps the source's storage dtype.
+    keeps the source's storage dtype. `device`: where the layer being converted, the calibration
+    hidden states and the factorisations live (default: a GPU when there is one, else the CPU).
     """
     start = time.perf_counter()
     out = Path(out)
@@ -317,6 +336,7 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     if rope_strategy not in STRATEGIES + ("pca",):
         raise UserError(f"unknown --rope-strategy {rope_strategy}: use one of {', '.join(STRATEGIES + ('pca',))}")
     dtype = compute_dtype(dtype)
+    device = compute_device(device)
     src = open_source(source)
     original_config = src.config
     if as_mha:
@@ -372,8 +392,9 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
         for i, (plan, balance) in enumerate(candidates):
             directory = tmp / f"candidate-{i}"
             directory.mkdir()
-            mla_config, loss = convert_once(src, calib, held_in if n_held_in else None, list(plan), directory,
-                                            kv_balance=balance, **settings)
+            with torch.device(device):  # every tensor the conversion makes, unless it says otherwise
+                mla_config, loss = convert_once(src, calib, held_in if n_held_in else None, list(plan), directory,
+                                                kv_balance=balance, **settings)
             if n_held_in:
                 c = mla_config
                 split = ({"rope_pairs": c.layer_rope_pairs, "latent_dim": c.layer_latent_dims} if len(plan) > 1
@@ -396,7 +417,9 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
             "rope_strategy": rope_strategy, "init": init, "svd": svd, "freq_fold": freq_fold, "as_mha": as_mha,
             "sequential": sequential, "refit": refit, "kv_balance": kv_balance, "per_layer_split": per_layer_split,
             "calib_samples": len(calib), "calib_seq_len": calib_seq_len, "dtype": str(dtype).removeprefix("torch."),
+            "device": str(device),
             "budget_candidates": tried, "seconds": time.perf_counter() - start,
+            "process_peak_rss_mb": peak_rss_mb(),
             "kv": kv_report(mla_config, dtype_bytes=src.reader.dtype.itemsize,
                             original_config=original_config if as_mha else None),
         }
@@ -422,8 +445,9 @@ def attention_error(mla_attn, inputs: list[torch.Tensor], targets: list[torch.Te
 
 
 def load_module(reader, meta_module: torch.nn.Module, prefix: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A copy of a module of the meta-device skeleton with its tensors `prefix…` read from the checkpoint."""
-    module = copy.deepcopy(meta_module).to_empty(device="cpu").to(dtype)
+    """A copy of a module of the meta-device skeleton, on the default device, with its tensors `prefix…`
+    read from the checkpoint."""
+    module = copy.deepcopy(meta_module).to_empty(device=torch.get_default_device()).to(dtype)
     names = reader.names()
     missing = [prefix + n for n in module.state_dict() if prefix + n not in names]
     if missing:
@@ -433,9 +457,10 @@ def load_module(reader, meta_module: torch.nn.Module, prefix: str, dtype: torch.
     return module.eval()
 
 
-def next_token_loss(logits: torch.Tensor, blocks: torch.Tensor) -> float:
-    """Mean over blocks of each block's mean next-token loss."""
-    losses = [F.cross_entropy(lg[:-1].float(), b[1:]).item() for lg, b in zip(logits, blocks)]
+def next_token_loss(hidden: torch.Tensor, norm, lm_head: torch.Tensor, blocks: torch.Tensor) -> float:
+    """Mean over blocks of each block's mean next-token loss, from the last layer's hidden states
+    (the logits of one block at a time: [T, vocab] is large for large vocabularies)."""
+    losses = [F.cross_entropy(F.linear(norm(h[:-1]), lm_head).float(), b[1:]).item() for h, b in zip(hidden, blocks)]
     return sum(losses) / len(losses)
 
 
@@ -450,8 +475,11 @@ def convert_once(src, blocks, held_in, splits: list[tuple[int, int]], directory:
     converted layers: the loss the budget search compares) move on to the next layer. With one
     (rope_pairs, latent_dim) split every layer uses it; with several, each layer takes the split
     whose attention output is closest to the source's on its calibration inputs (attention_error,
-    before any refit), and the config lists the split of every layer."""
+    before any refit), and the config lists the split of every layer. Runs on the default device
+    (torch.device context); the weights are written from the CPU."""
     config, reader = src.config, src.reader
+    device = torch.get_default_device()
+    blocks, held_in = blocks.to(device), held_in.to(device) if held_in is not None else None
     n_heads, n_kv, d_h = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
     n_layers = config.num_hidden_layers
     shared = rope_strategy == "pca"
@@ -473,9 +501,11 @@ def convert_once(src, blocks, held_in, splits: list[tuple[int, int]], directory:
     position_ids = torch.arange(seq)[None]
     causal = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
     rope = rotary(torch.zeros(1, dtype=dtype), position_ids)
-    embed = load_module(reader, skeleton.model.embed_tokens, "model.embed_tokens.", dtype)
-    hidden = [embed(blocks[i:i + CALIB_BATCH]) for i in range(0, len(blocks), CALIB_BATCH)]
-    held = embed(held_in) if held_in is not None else None
+    # the embeddings stay in the storage dtype (for a bf16 source, half the float32 table): only the
+    # looked-up rows are cast to the forward passes' dtype, exactly
+    embed = load_module(reader, skeleton.model.embed_tokens, "model.embed_tokens.", reader.dtype)
+    hidden = [embed(blocks[i:i + CALIB_BATCH]).to(dtype) for i in range(0, len(blocks), CALIB_BATCH)]
+    held = embed(held_in).to(dtype) if held_in is not None else None
     writer = ShardWriter(directory)
     out_dtype = reader.dtype
 
@@ -531,13 +561,13 @@ def convert_once(src, blocks, held_in, splits: list[tuple[int, int]], directory:
     norm = load_module(reader, skeleton.model.norm, "model.norm.", dtype)
     writer.add_module("model.norm.", norm, out_dtype)
     writer.add_module("model.embed_tokens.", embed, out_dtype)
-    lm_head = embed if config.tie_word_embeddings else load_module(reader, skeleton.lm_head, "lm_head.", dtype)
     if not config.tie_word_embeddings:
-        writer.add_module("lm_head.", lm_head, out_dtype)
+        writer.add_module("lm_head.", load_module(reader, skeleton.lm_head, "lm_head.", out_dtype), out_dtype)
     writer.close()
     loss = None
     if held is not None:
-        loss = next_token_loss(F.linear(norm(held), lm_head.weight), held_in)
+        lm_head = embed if config.tie_word_embeddings else load_module(reader, skeleton.lm_head, "lm_head.", dtype)
+        loss = next_token_loss(held, norm, lm_head.weight.to(dtype), held_in)
     mla_config.kept_pairs = kept_all
     if len(splits) > 1:  # the scalars name the most common split
         counts = Counter(zip(mla_config.layer_rope_pairs, mla_config.layer_latent_dims))
