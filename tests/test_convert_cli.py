@@ -48,6 +48,7 @@ def test_convert_json_and_kv_size(tiny_dir, wiki_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["kv"]["kv_elements_per_token_per_layer"] == 2 * (4 + 4)
+    assert report["process_peak_rss_mb"] > 100 and report["device"] in ("cpu", "cuda")
     kv = json.loads(cli("kv-size", out, "--json").stdout.strip().splitlines()[-1])
     assert kv["kv_elements_per_token_per_layer"] == 16
     assert kv["reduction_pct"] == pytest.approx(75.0)

@@ -135,3 +135,15 @@ def test_missing_shard_and_truncated_file_are_user_errors(tokenizer, tmp_path):
     shards[0].unlink()
     with pytest.raises(UserError, match="missing"):
         SafetensorsReader(path, src.config)
+
+
+def test_device_choice():
+    from mha2mla.convert import compute_device
+
+    assert compute_device("cpu") == torch.device("cpu")
+    assert compute_device(None) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(UserError, match="--device"):
+        compute_device("tpu:x")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA GPU"):
+            compute_device("cuda")
