@@ -11,6 +11,10 @@ For each layer, from calibration statistics of its inputs:
 Everything else (embeddings, norms, MLP, o_proj, biases) is copied. With nothing dropped and full
 rank the MLA model computes exactly what the source does.
 
+The conversion streams (convert_once): it reads one source layer at a time through a tensor reader
+(weights), converts it on the calibration hidden states, writes it into safetensors shards and lets
+it go, so memory follows the size of a layer and the embeddings, not of the model.
+
 The cache budget per token and layer is latent_dim + n_rope·2r values. Given only a budget
 (`kv_budget`), `convert_model` tries several splits between RoPE dims and latent rank, scores each
 by its loss on held-in text (the first tokens of the calibration corpus's next documents after
