@@ -82,6 +82,67 @@ def test_gguf_reader_gives_the_tensors_of_transformers_gguf_loader(smollm2):
         assert torch.equal(reader.get(name), state[name]), name
 
 
+def write_llama_gguf(model, path, tokenizer_gguf) -> None:
+    """`model` (a Llama) as llama.cpp's converter writes it: GGUF names, q/k rows permuted, float32
+    tensors, the metadata transformers reads, and the tokenizer of another GGUF file."""
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    for name, field in gguf.GGUFReader(tokenizer_gguf).fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+
+    def permute(w, heads):  # llama.cpp's rotary layout: interleaved pairs per head
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        base, suffix = name.rsplit(".", 1)
+        w = tensor.float().numpy()
+        if ".q_proj." in name:
+            w = permute(w, config.num_attention_heads)
+        elif ".k_proj." in name:
+            w = permute(w, config.num_key_value_heads)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_streaming_from_gguf_equals_in_memory(smollm2, wiki_dir, tmp_path):
+    """A tiny random Llama written as GGUF converts, streamed from the file, to exactly the weights of
+    converting the same model in memory."""
+    from transformers import AutoTokenizer
+
+    from mha2mla.sources import bundled_gguf
+
+    src = tiny_source("llama", vocab=49152, n_kv=2, tie_word_embeddings=False)
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(src, path, bundled_gguf("smollm2-135m"))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    streamed, _ = convert_model(path, tmp_path / "mla", calib_data=[wiki_dir], kv_budget=40, **SETTINGS)
+    in_memory, _ = convert_model((src, tokenizer), calib_data=[wiki_dir], kv_budget=40, **SETTINGS)
+    a, b = streamed.state_dict(), in_memory.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def test_bf16_source_with_few_calibration_tokens_converts_like_fp32(tokenizer, wiki_dir, tmp_path):
     """Statistics do not depend on the storage dtype: a bf16 checkpoint is computed in float32 (fewer
     calibration tokens (64) than hidden dims (256): the damping makes the second moment definite)."""
