@@ -16,6 +16,7 @@ q/k/v projections, RoPE, no QK-norm). `load_model` also opens converted MLA chec
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import re
@@ -65,12 +66,19 @@ def strip_gguf_quantizer(model) -> None:
 
 
 def save_atomically(out: Path, write) -> None:
-    """Call write(tmp_dir), then move tmp_dir to `out` (replacing it): no half-written output."""
+    """Call write(tmp_dir), then move tmp_dir to `out` (replacing it): no half-written output, also
+    when the disk fills up (a UserError)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise UserError(f"the disk is full while writing {out}: free space or write elsewhere "
+                                f"(nothing was kept)") from None
+            raise
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
