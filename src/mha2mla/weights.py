@@ -23,10 +23,14 @@ import json
 import mmap
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from gguf.quants import _type_traits
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from .errors import UserError
 
@@ -101,11 +105,6 @@ class GGUFTensorReader:
     dtype = torch.float32
 
     def __init__(self, path: Path, config):
-        import gguf
-        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                              get_gguf_hf_weights_map)
-        from transformers import AutoModelForCausalLM
-
         self.config = config
         self._reader = open_gguf(path)
         arch = gguf_architecture(self._reader)
@@ -114,14 +113,13 @@ class GGUFTensorReader:
             skeleton = AutoModelForCausalLM.from_config(config)
         self._names = get_gguf_hf_weights_map(skeleton, self._processor)  # GGUF name → HF name
         self._tensors = {self._names[t.name]: t for t in self._reader.tensors if t.name in self._names}
-        self._dequantize = gguf.dequantize
 
     def names(self) -> set[str]:
         return set(self._tensors)
 
     def get(self, name: str) -> torch.Tensor:
         tensor = self._tensors[name]
-        weights = self._dequantize(tensor.data, tensor.tensor_type)
+        weights = gguf.dequantize(tensor.data, tensor.tensor_type)
         weights = self._processor.process(weights=weights, name=tensor.name, tensor_key_mapping=self._names,
                                           parsed_parameters={}).weights
         result = torch.from_numpy(np.array(weights, dtype=np.float32))
@@ -136,20 +134,13 @@ class GGUFTensorReader:
             mapping.madvise(mmap.MADV_DONTNEED)
 
 
-def _dequantizable() -> set:
-    import gguf
-    from gguf.quants import _type_traits
-
-    return set(_type_traits) | {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
-
-
-DEQUANTIZABLE = _dequantizable()
+# the tensor types gguf.dequantize handles (gguf lists them only privately): its quantization classes and
+# the plain floats
+DEQUANTIZABLE = set(_type_traits) | {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
 
 
 def open_gguf(path: Path):
     """gguf's memory-mapped reader; a file that is not (complete) GGUF is a UserError."""
-    import gguf
-
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # bad magic, unknown version, or a header/tensor table cut short
