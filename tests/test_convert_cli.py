@@ -161,3 +161,12 @@ def test_qk_norm_source_is_refused(smollm2, tmp_path):
     smollm2[1].save_pretrained(src)
     out = tmp_path / "out"
     assert_user_error(cli("convert", src, out), out, "QK-norm")
+
+
+def test_missing_shard(smollm2, tmp_path):
+    src = tmp_path / "sharded"
+    tiny_source("llama", vocab=49152).save_pretrained(src, max_shard_size="1MB")
+    smollm2[1].save_pretrained(src)
+    sorted(src.glob("model-*.safetensors"))[0].unlink()
+    out = tmp_path / "out"
+    assert_user_error(cli("convert", src, out), out, "missing")

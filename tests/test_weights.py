@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from mha2mla.convert import convert_checkpoint, convert_model
 from mha2mla.errors import UserError
 from mha2mla.lowrank import cholesky_factor
-from mha2mla.weights import SAFE_INDEX, SAFE_WEIGHTS, GGUFTensorReader, SafetensorsReader, ShardWriter
+from mha2mla.weights import SAFE_INDEX, SAFE_WEIGHTS, GGUFTensorReader, SafetensorsReader, ShardWriter, open_gguf
 
 SETTINGS = dict(calib_samples=4, calib_seq_len=32, progress=False)
 
@@ -74,7 +74,7 @@ def test_gguf_reader_gives_the_tensors_of_transformers_gguf_loader(smollm2):
     from mha2mla.sources import bundled_gguf
 
     model = smollm2[0]
-    reader = GGUFTensorReader(bundled_gguf("smollm2-135m"), model.config)
+    reader = GGUFTensorReader(open_gguf(bundled_gguf("smollm2-135m")), model.config)
     state = model.state_dict()
     expected = {n for n in state if n != "lm_head.weight"}  # tied to the embeddings: not in the file
     assert reader.names() == expected

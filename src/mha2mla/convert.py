@@ -452,12 +452,12 @@ def load_module(reader, meta_module: torch.nn.Module, prefix: str, dtype: torch.
     """A copy of a module of the meta-device skeleton, on the default device, with its tensors `prefix…`
     read from the checkpoint."""
     module = copy.deepcopy(meta_module).to_empty(device=torch.get_default_device()).to(dtype)
-    names = reader.names()
-    missing = [prefix + n for n in module.state_dict() if prefix + n not in names]
+    wanted, present = [prefix + n for n in module.state_dict()], reader.names()
+    missing = [n for n in wanted if n not in present]
     if missing:
         raise UserError(f"the source checkpoint lacks {missing[0]} (incomplete or not a {reader.config.model_type} "
                         f"checkpoint)")
-    module.load_state_dict({n: reader.get(prefix + n) for n in module.state_dict()})
+    module.load_state_dict({n.removeprefix(prefix): reader.get(n) for n in wanted})
     return module.eval()
 
 
@@ -565,12 +565,12 @@ def convert_once(src, blocks, held_in, splits: list[tuple[int, int]], directory:
     norm = load_module(reader, skeleton.model.norm, "model.norm.", dtype)
     writer.add_module("model.norm.", norm, out_dtype)
     writer.add_module("model.embed_tokens.", embed, out_dtype)
+    lm_head = embed if config.tie_word_embeddings else load_module(reader, skeleton.lm_head, "lm_head.", out_dtype)
     if not config.tie_word_embeddings:
-        writer.add_module("lm_head.", load_module(reader, skeleton.lm_head, "lm_head.", out_dtype), out_dtype)
+        writer.add_module("lm_head.", lm_head, out_dtype)
     writer.close()
     loss = None
     if held is not None:
-        lm_head = embed if config.tie_word_embeddings else load_module(reader, skeleton.lm_head, "lm_head.", dtype)
         loss = next_token_loss(held, norm, lm_head.weight.to(dtype), held_in)
     mla_config.kept_pairs = kept_all
     if len(splits) > 1:  # the scalars name the most common split

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass
 class RopeBasis:
     """The kept components: rows of R_re / R_im map a full key (n_kv·d_h, pre-RoPE) to its RoPE part."""

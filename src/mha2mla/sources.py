@@ -87,14 +87,15 @@ def save_atomically(out: Path, write) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_gguf(path: Path) -> None:
-    """A readable GGUF file of a supported architecture and tensor types, or a UserError."""
+def check_gguf(path: Path):
+    """gguf's reader of a readable GGUF file of a supported architecture and tensor types, or a UserError."""
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
     if arch not in GGUF_ARCHITECTURES:
         raise UserError(f"GGUF architecture '{arch}' is not supported: {_SUPPORTED_TEXT} "
                         f"(GGUF architectures {', '.join(GGUF_ARCHITECTURES)})")
     check_gguf_tensors(reader, path)
+    return reader
 
 
 def _load_gguf(path: Path):
@@ -144,12 +145,42 @@ def bundled_gguf(alias: str) -> Path:
     return joined
 
 
-def _load_dir(path: Path, name: str | None = None, dtype=None):
+def read_config(path: Path):
+    """The config of a model directory, or a UserError."""
     try:
-        config = AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read the config in {path}: {str(e).splitlines()[0]} "
                         f"(point at a Hugging Face model directory with config.json)") from None
+
+
+def resolve(source: str) -> tuple[str, Path | str]:
+    """Where a source's files are: ("gguf", file), ("dir", directory) or ("hub", repo id)."""
+    path = Path(source).expanduser()
+    if source in BUNDLED:
+        return "gguf", bundled_gguf(source)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"GGUF file not found: {path} (check the path)")
+        return "gguf", path
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise UserError(f"{path} is not a model directory (no config.json); give a Hugging Face model "
+                            f"directory, a .gguf file, a hub id or smollm2-135m")
+        return "dir", path
+    if not _HUB_ID.match(source):
+        raise UserError(f"model path not found: {source} (check the path)")
+    return "hub", source
+
+
+def with_pad_token(tokenizer):
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load_dir(path: Path, name: str | None = None, dtype=None):
+    config = read_config(path)
     if config.model_type != "mla":
         check_family(config)
     try:
@@ -166,27 +197,16 @@ def _load_dir(path: Path, name: str | None = None, dtype=None):
 def load_model(source: str | os.PathLike, dtype=None):
     """(model, tokenizer) for a source or a converted MLA checkpoint, in eval mode."""
     source = str(source)
-    path = Path(source).expanduser()
-    if source in BUNDLED:
-        model, tokenizer = _cached_gguf(bundled_gguf(source), source)
-    elif path.suffix == ".gguf":
-        if not path.is_file():
-            raise UserError(f"GGUF file not found: {path} (check the path)")
-        model, tokenizer = _cached_gguf(path, f"gguf-{path.stem}")
-    elif path.exists():
-        if not (path / "config.json").exists():
-            raise UserError(f"{path} is not a model directory (no config.json); give a Hugging Face model "
-                            f"directory, a .gguf file, a hub id or smollm2-135m")
-        model, tokenizer = _load_dir(path, dtype=dtype)
-    elif not _HUB_ID.match(source):
-        raise UserError(f"model path not found: {source} (check the path)")
+    kind, where = resolve(source)
+    if kind == "gguf":
+        model, tokenizer = _cached_gguf(where, source if source in BUNDLED else f"gguf-{where.stem}")
+    elif kind == "dir":
+        model, tokenizer = _load_dir(where, dtype=dtype)
     else:
-        model, tokenizer = _load_hub(source, dtype)
+        model, tokenizer = _load_hub(where, dtype)
     if dtype is not None:
         model = model.to(dtype)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
+    return model.eval(), with_pad_token(tokenizer)
 
 
 def _load_hub(repo_id: str, dtype):
@@ -222,26 +242,22 @@ class StreamSource:
         return self.reader.config
 
 
-def check_attention(config, names: set[str]) -> None:
+def check_attention(names: set[str]) -> None:
     """Refuse attention MHA2MLA cannot rewrite that a supported family's config does not show (QK-norm)."""
     if any(".self_attn.q_norm." in n or ".self_attn.k_norm." in n for n in names):
         raise UserError(f"the source normalises queries/keys per head (QK-norm, as Qwen3 does): {_SUPPORTED_TEXT}")
 
 
 def _gguf_stream(path: Path, name: str) -> StreamSource:
-    check_gguf(path)
+    reader = check_gguf(path)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     check_family(config)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return StreamSource(GGUFTensorReader(path, config), tokenizer, GenerationConfig.from_model_config(config), name)
+    return StreamSource(GGUFTensorReader(reader, config), tokenizer, GenerationConfig.from_model_config(config), name)
 
 
 def _dir_stream(path: Path, name: str) -> StreamSource:
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read the config in {path}: {str(e).splitlines()[0]} "
-                        f"(point at a Hugging Face model directory with config.json)") from None
+    config = read_config(path)
     if config.model_type == "mla":
         raise UserError(f"{path} is already an MLA model; give the original MHA/GQA model")
     check_family(config)
@@ -273,23 +289,11 @@ def open_source(source) -> StreamSource:
                               str(model.config._name_or_path))
     else:
         source = str(source)
-        path = Path(source).expanduser()
-        if source in BUNDLED:
-            stream = _gguf_stream(bundled_gguf(source), source)
-        elif path.suffix == ".gguf":
-            if not path.is_file():
-                raise UserError(f"GGUF file not found: {path} (check the path)")
-            stream = _gguf_stream(path, source)
-        elif path.exists():
-            if not (path / "config.json").exists():
-                raise UserError(f"{path} is not a model directory (no config.json); give a Hugging Face model "
-                                f"directory, a .gguf file, a hub id or smollm2-135m")
-            stream = _dir_stream(path, source)
-        elif not _HUB_ID.match(source):
-            raise UserError(f"model path not found: {source} (check the path)")
+        kind, where = resolve(source)
+        if kind == "gguf":
+            stream = _gguf_stream(where, source)
         else:
-            stream = _dir_stream(_hub_snapshot(source), source)
-    check_attention(stream.config, stream.reader.names())
-    if stream.tokenizer.pad_token is None:
-        stream.tokenizer.pad_token = stream.tokenizer.eos_token
+            stream = _dir_stream(where if kind == "dir" else _hub_snapshot(where), source)
+    check_attention(stream.reader.names())
+    with_pad_token(stream.tokenizer)
     return stream

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import mmap
+from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -39,6 +40,7 @@ SAFE_INDEX = "model.safetensors.index.json"
 # Shards are flushed at this size: small enough to bound the writer's memory (save_pretrained's own
 # default, 50 GB in transformers 5, would hold a whole 7B model in memory before the first write).
 MAX_SHARD_BYTES = 512 * 1024**2
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 class StateDictReader:
@@ -70,7 +72,7 @@ class SafetensorsReader:
             raise UserError(f"no safetensors weights in {directory} (expected {SAFE_WEIGHTS} or {SAFE_INDEX})")
         files = sorted(set(weight_map.values())) if weight_map else [SAFE_WEIGHTS]
         self._directory = directory
-        keys = {}
+        keys, dtypes = {}, Counter()
         for file in files:
             path = directory / file
             if not path.is_file():
@@ -79,6 +81,7 @@ class SafetensorsReader:
             try:
                 with safe_open(str(path), framework="pt") as f:
                     keys[file] = set(f.keys())
+                    dtypes.update(f.get_slice(name).get_dtype() for name in keys[file])
             except (SafetensorError, OSError) as e:
                 raise UserError(f"cannot read the weights in {path}: not a readable safetensors file "
                                 f"({str(e).splitlines()[0][:120]}; truncated? re-download it)") from None
@@ -86,8 +89,11 @@ class SafetensorsReader:
         for name, file in self._where.items():
             if name not in keys[file]:
                 raise UserError(f"{file} lacks {name}, which {SAFE_INDEX} places there (re-download the checkpoint)")
-        first = next(iter(self._where))
-        self.dtype = self.get(first).dtype
+        # the storage dtype, read from the headers: the float type most tensors have
+        floats = [(n, d) for d, n in dtypes.items() if d in SAFETENSORS_DTYPES]
+        if not floats:
+            raise UserError(f"no floating-point weights in {directory} (types {', '.join(sorted(dtypes))})")
+        self.dtype = SAFETENSORS_DTYPES[max(floats)[1]]
 
     def names(self) -> set[str]:
         return set(self._where)
@@ -104,9 +110,10 @@ class GGUFTensorReader:
 
     dtype = torch.float32
 
-    def __init__(self, path: Path, config):
+    def __init__(self, reader, config):
+        """`reader`: the file's gguf.GGUFReader (open_gguf)."""
         self.config = config
-        self._reader = open_gguf(path)
+        self._reader = reader
         arch = gguf_architecture(self._reader)
         self._processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
         with torch.device("meta"):
