@@ -105,6 +105,7 @@ def test_bench_decode_json_row_per_context_and_batch(tiny_dirs):
     (["--context", "1024,abc"], ["--context", "1024,abc"]),
     (["--context", 0], ["--context", "positive"]),
     (["--context", CONTEXT], ["context of 64"]),
+    (["--context", 24, "--batch", 10**12], ["--batch 1000000000000", "GiB available", "the largest that fits is --batch"]),
 ])
 def test_bench_decode_rejects_bad_options(tiny_dirs, args, words):
     mla, source = tiny_dirs

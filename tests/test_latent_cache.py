@@ -15,7 +15,7 @@ from mha2mla.modeling import modeling_mla
 from mha2mla.modeling.latent_cache import (
     LatentLayer, QuantizedLatentLayer, dequantize, kv_bytes_per_token_per_layer, quantize,
 )
-from mha2mla.modeling.modeling_mla import CACHE_NAME, additive_attention_mask
+from mha2mla.modeling.modeling_mla import CACHE_NAME
 
 VARIANTS = {
     "mha": dict(num_key_value_heads=4),               # MHA-derived: one KV head per query head
@@ -70,7 +70,7 @@ def generated(out) -> torch.Tensor:
 # --- exactness of cached decoding ------------------------------------------------------------------
 
 @torch.no_grad()
-@pytest.mark.parametrize("prompt_len", [6, 20], ids=["absorbed_prefill", "expanded_prefill"])
+@pytest.mark.parametrize("prompt_len", [6, 20], ids=["short_prompt", "long_prompt"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cached_decoding_matches_full_forward(variant, prompt_len):
     model = tiny_mla(**VARIANTS[variant])
@@ -101,10 +101,18 @@ def test_left_padded_batch_matches_each_row_alone(variant):
         logits = forward(model, nxt, cache, mask)
 
 
+def padded_causal_mask(padding: torch.Tensor, queries: int) -> torch.Tensor:
+    """Boolean [B, 1, T, S] mask (True = attend): causal for the last T of S positions, and padding."""
+    S = padding.shape[1]
+    causal = torch.arange(S)[None, :] <= torch.arange(S - queries, S)[:, None]
+    return causal[None, None] & padding[:, None, None, :].bool()
+
+
 @torch.no_grad()
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
 @pytest.mark.parametrize("queries", [1, 5])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_absorbed_path_equals_expanded_path(variant, queries):
+def test_absorbed_path_equals_expanded_path(variant, queries, mask_kind):
     model = tiny_mla(**VARIANTS[variant])
     attn, cfg = model.model.layers[0].self_attn, model.config
     B, S, H = 2, 24, cfg.num_attention_heads
@@ -115,25 +123,98 @@ def test_absorbed_path_equals_expanded_path(variant, queries):
     k_rope = torch.randn(B, cfg.n_rope_heads, S, attn.d_rope, generator=g)
     padding = torch.ones(B, S, dtype=torch.long)
     padding[1, :7] = 0
-    mask = additive_attention_mask(padding, B, queries, S, None, torch.float32, "cpu")
-    absorbed = attn._absorbed(q_nope, q_rope, c_kv, k_rope, mask)
-    expanded = attn._expanded(q_nope, q_rope, c_kv, k_rope, mask)
-    assert absorbed.shape == expanded.shape == (B, H, queries, cfg.head_dim)
+    mask = padded_causal_mask(padding, queries)
+    if mask_kind == "additive":   # what the eager implementation's masks look like
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    absorbed = attn.absorbed(q_nope, q_rope, c_kv, k_rope, mask)
+    expanded = attn.expanded(q_nope, q_rope, c_kv, k_rope, mask)
+    assert absorbed.shape == expanded.shape == (B, queries, H, cfg.head_dim)
     assert (absorbed - expanded).abs().max() <= 1e-5
 
 
+def force_path(monkeypatch, absorbed: bool) -> None:
+    monkeypatch.setattr(modeling_mla.MLAAttention, "absorbed_is_cheaper", lambda self, t, s: absorbed)
+
+
 @torch.no_grad()
-def test_cached_forward_unchanged_with_absorption_off(monkeypatch):
-    """With ABSORB_MAX_QUERY at 0 every cached step is expanded; the logits must not change."""
-    model = tiny_mla()
-    ids = tokens(2, 20)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cached_forward_same_whether_absorbed_or_expanded(variant, monkeypatch):
+    """A chunked prefill and decode steps, every cached forward absorbed, then every one expanded."""
+    model = tiny_mla(**VARIANTS[variant])
+    ids = tokens(2, 24)
     runs = []
-    for threshold in (modeling_mla.ABSORB_MAX_QUERY, 0):
-        monkeypatch.setattr(modeling_mla, "ABSORB_MAX_QUERY", threshold)
+    for absorbed in (True, False):
+        force_path(monkeypatch, absorbed)
         cache = LatentCache(model.config)
-        runs.append(torch.stack([forward(model, ids[:, :12], cache)]
-                                + [forward(model, ids[:, t:t + 1], cache) for t in range(12, 20)]))
+        runs.append(torch.stack([forward(model, ids[:, :8], cache), forward(model, ids[:, 8:16], cache)]
+                                + [forward(model, ids[:, t:t + 1], cache) for t in range(16, 24)]))
     assert (runs[0] - runs[1]).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", ["gqa", "shared_rope"])
+def test_attention_implementations_agree(variant):
+    """eager (explicit softmax) and sdpa give the same logits, without and with a cache."""
+    ids = tokens(2, 20)
+    logits = {}
+    for implementation in ("eager", "sdpa"):
+        model = tiny_mla(**VARIANTS[variant])
+        model.set_attn_implementation(implementation)
+        assert model.config._attn_implementation == implementation
+        cache = LatentCache(model.config)
+        steps = [forward(model, ids[:, :12], cache)] + [forward(model, ids[:, t:t + 1], cache) for t in range(12, 20)]
+        logits[implementation] = (model(ids).logits, torch.stack(steps))
+    for eager, sdpa in zip(logits["eager"], logits["sdpa"]):
+        assert (eager - sdpa).abs().max() <= TOL
+
+
+def test_cost_rule_absorbs_decoding_and_long_pasts_only():
+    """SmolLM2's shape at the default budget (shared RoPE key, 8 RoPE dims, 64-wide latent)."""
+    config = MLAConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=1,
+                       rope_layout="shared", rope_pairs=4, latent_dim=64)
+    attn = modeling_mla.MLAAttention(config, 0)
+    assert attn.absorbed_is_cheaper(1, 4096) and attn.absorbed_is_cheaper(512, 4096)
+    assert not attn.absorbed_is_cheaper(512, 512)
+
+
+@torch.no_grad()
+def test_chunked_prefill_expands_each_token_at_most_once():
+    """Shared RoPE key (the default layout): after a first chunk without a past, every chunk of T ≤ S/G
+    queries over S cached tokens (G query heads per KV head) attends over the latent, so K/V are rebuilt
+    (rows through k_up) for the first chunk only."""
+    model = tiny_mla(**VARIANTS["shared_rope"])
+    rows = []
+    for layer in model.model.layers:
+        layer.self_attn.k_up.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-2]))
+    cache = LatentCache(model.config)
+    ids = tokens(1, 160)
+    forward(model, ids[:, :64], cache)
+    for start in range(64, 160, 16):
+        forward(model, ids[:, start:start + 16], cache)
+    assert sum(rows) == 64 * model.config.num_hidden_layers
+
+
+@torch.no_grad()
+def test_standard_outputs():
+    model = tiny_mla()
+    ids = tokens(2, 7)
+    out = model(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert torch.equal(out.hidden_states[0], model.model.embed_tokens(ids))
+    as_tuple = model(ids, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], out.logits)
+
+
+def test_rope_frequencies_are_a_buffer_rebuilt_on_loading(tmp_path):
+    model = tiny_mla(rope_layout="shared")
+    assert not any("inv_freq" in name for name in model.state_dict())
+    model.save_pretrained(tmp_path)
+    loaded = MLAForCausalLM.from_pretrained(tmp_path).eval()
+    for a, b in zip(model.model.layers, loaded.model.layers):
+        assert torch.equal(a.self_attn.rotary_emb.inv_freq, b.self_attn.rotary_emb.inv_freq)
+    ids = tokens(2, 12)
+    with torch.no_grad():
+        assert (model(ids).logits - loaded(ids).logits).abs().max() <= 1e-6
 
 
 # --- generate() ------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -30,6 +31,7 @@ import torch
 from ..errors import UserError
 from ..generate import check_fits_context, check_kv_bits, is_mla
 from ..modeling import LatentCache
+from ..modeling.latent_cache import kv_bytes_per_token_per_layer
 from ..modeling.modeling_mla import CACHE_NAME
 
 
@@ -139,6 +141,59 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def available_bytes() -> int:
+    """Memory a new process can take without swapping: MemAvailable of /proc/meminfo (Linux), else all
+    physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def estimated_peak_bytes(model, context: int, batch: int, new_tokens: int, kv_bits: int, chunk: int) -> int:
+    """An upper estimate of one measurement's peak: the weights, the cache at its longest, and one prefill
+    chunk's transients (MLP activations, and scores and K/V copies as a non-fused attention makes them)."""
+    c = model.config
+    width = next(model.parameters()).element_size()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    tokens = batch * (context + new_tokens + 1)
+    if is_mla(model):
+        per_token = kv_bytes_per_token_per_layer(c, kv_bits, width) * c.num_hidden_layers
+    else:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        per_token = 2 * c.num_key_value_heads * head_dim * width * c.num_hidden_layers
+    rows = batch * min(chunk, context)
+    mlp = rows * (3 * c.intermediate_size + 4 * c.hidden_size) * width
+    attention = batch * c.num_attention_heads * context * (2 * min(chunk, context) + 4 * c.hidden_size
+                                                           // c.num_attention_heads) * width
+    return int(weights + tokens * per_token + mlp + attention)
+
+
+def check_batch_fits(model, what: str, context: int, batches: list[int], new_tokens: int, kv_bits: int,
+                     chunk: int) -> None:
+    """A UserError naming the largest batch that fits when a measurement of `model` would not fit in memory."""
+    free = available_bytes()
+    for batch in batches:
+        need = estimated_peak_bytes(model, context, batch, new_tokens, kv_bits, chunk)
+        if need > free:
+            largest = largest_batch(model, context, new_tokens, kv_bits, chunk, free)
+            hint = f"the largest that fits is --batch {largest}" if largest else "no batch fits: shorten --context"
+            raise UserError(f"--batch {batch} at --context {context} needs about {need / 2**30:.1f} GiB for {what}, "
+                            f"more than the {free / 2**30:.1f} GiB available: {hint}")
+
+
+def largest_batch(model, context: int, new_tokens: int, kv_bits: int, chunk: int, free: int) -> int:
+    """The largest batch whose estimated peak fits in `free` bytes (0 if none), by bisection."""
+    lo, hi = 0, 1
+    while estimated_peak_bytes(model, context, hi, new_tokens, kv_bits, chunk) <= free:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if estimated_peak_bytes(model, context, mid, new_tokens, kv_bits, chunk) <= free else (lo, mid)
+    return lo
+
+
 def check_bench_inputs(model, source, contexts: list[int], batches: list[int], new_tokens: int, kv_bits: int,
                        chunk: int) -> None:
     """UserErrors for anything a measurement subprocess would fail on, named as the CLI spells it."""
@@ -153,6 +208,7 @@ def check_bench_inputs(model, source, contexts: list[int], batches: list[int], n
     for m, what in ((model, "MODEL"), (source, "SOURCE")):
         check_fits_context(m, max(contexts) + new_tokens + 1,
                            f"--context {max(contexts)} plus {new_tokens + 1} decode steps on {what}")
+        check_batch_fits(m, what, max(contexts), batches, new_tokens, kv_bits if m is model else 16, chunk)
 
 
 def bench_decode(model: str, source: str, contexts: list[int], batches: list[int], new_tokens: int = 32,

@@ -16,12 +16,20 @@ Attention of query head h (in KV group g, RoPE head ρ) for x_t, with H query he
 RoPE rotates only the kept frequency pairs, each with the source's own frequency, in the
 rotate_half layout ([re_1 … re_r, im_1 … im_r]). Two ways to evaluate the same scores:
 
-* expanded: rebuild k_nope and v from c_kv and call SDPA — used for prefill and training, where
-  many queries share each rebuilt key;
-* absorbed: q_nope·(W_uk c) = (W_ukᵀ q_nope)·c and Σ p_s W_uv c_s = W_uv Σ p_s c_s, so a decode
-  step attends directly over the cached latent (shared by all heads, like MQA) and never rebuilds
-  K or V. k_up's bias adds a per-query constant to the scores, which softmax ignores; v_up's bias
-  passes through because the probabilities sum to one.
+* expanded: rebuild k_nope and v from c_kv for every cached token and attend as GQA with
+  transformers' attention function of `config._attn_implementation` (eager, sdpa, flash);
+* absorbed: q_nope·(W_uk c) = (W_ukᵀ q_nope)·c and Σ p_s W_uv c_s = W_uv Σ p_s c_s, so queries
+  attend directly over the cached latent, as multi-query attention with one key
+  [c_kv | k_rope_ρ] per RoPE head and the latent as value, and K and V are never rebuilt. k_up's
+  bias adds a per-query constant to the scores, which softmax ignores; v_up's bias passes through
+  because the probabilities sum to one.
+
+A cached forward takes whichever costs fewer multiply-adds for its query and key counts (see
+`absorbed_is_cheaper`): a decode step and a prefill chunk over a long cached past are absorbed, so a
+token's latent is never expanded again; a forward without a past is expanded. Fused attention kernels
+want one head size for queries, keys and values, so the narrower side is zero-padded (zeros change
+no score and the padded output columns are dropped); in the absorbed form with a joint latent the
+value is the key itself, whose first columns are the latent.
 """
 
 from __future__ import annotations
@@ -31,9 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_mla import MLAConfig
 from .latent_cache import LatentCache
@@ -41,13 +54,9 @@ from .latent_cache import LatentCache
 # transformers 5.24 renamed the cache argument/output field `past_key_values` to `cache`.
 CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
-# Queries per step up to which a cached forward uses the absorbed path. Measured on a 2-core CPU
-# (1 thread; SmolLM2-135M shape: 9 heads, 3 KV heads, r=4; 4 layers; CPU ms per forward, absorbed vs
-# expanded): 1 query over 4096 cached tokens, batch 8: 27 vs 321; 16 queries, same: 208 vs 362
-# (d_kv=16), 257 vs 449 (d_kv=32), and absorbed is faster at 16 queries for every context (1024,
-# 4096), batch (1, 8) and d_kv (16, 32) tried; at 32 it is slower in 4 of those 8 cases, and from 48
-# on expanded wins: the rebuilt keys are then shared by enough queries.
-ABSORB_MAX_QUERY = 16
+# Attention implementations whose masks (None, boolean or additive, [B, 1, T, S]) torch's SDPA
+# takes as they are, so the absorbed form can use them; with others every forward is expanded.
+SDPA_MASKS = ("sdpa", "eager")
 
 
 class MLARMSNorm(nn.Module):
@@ -80,13 +89,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
-    """cos/sin for positions [B, T] and per-head frequencies [n, r] → each [B, n, T, 2r]."""
-    angles = position_ids[:, None, :, None].float() * inv_freq[None, :, None, :]
-    angles = torch.cat((angles, angles), dim=-1)
-    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, n·G, T, 2r] with cos/sin [B, n, T, 2r]: head i uses RoPE head i // G."""
     groups = x.shape[1] // cos.shape[1]
@@ -95,26 +97,57 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def additive_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
-                            sliding_window: int | None, dtype: torch.dtype, device) -> torch.Tensor:
-    """[B, 1, q_len, kv_len] additive mask: causal, padding (2D mask over all kv positions), window."""
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    k_pos = torch.arange(kv_len, device=device)[None, :]
-    allowed = (k_pos <= q_pos)[None, None]
-    if sliding_window is not None:
-        allowed = allowed & (q_pos - k_pos < sliding_window)[None, None]
+def pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x zero-padded on its last dim to `width` (as it is when already that wide)."""
+    return F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Attention by explicit softmax(q·kᵀ·scaling + mask)·v, GQA by repeating K/V; output [B, T, H, D]."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, None, -kv_len:].bool()
-    allowed = allowed.expand(batch, 1, q_len, kv_len)
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        if attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros_like(attention_mask, dtype=weights.dtype).masked_fill(
+                ~attention_mask, torch.finfo(weights.dtype).min)
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class MLARotaryEmbedding(nn.Module):
+    """cos/sin of one layer's kept frequency pairs: `inv_freq[ρ, i]` is the source's frequency of the
+    i-th pair kept on RoPE head ρ (a non-persistent buffer, rebuilt from the config on loading)."""
+
+    def __init__(self, config: MLAConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.scaling = config.rope_attention_scaling
+        self.register_buffer("inv_freq", self.frequencies(config.kept_pairs[layer_idx], config.rope_inv_freq),
+                             persistent=False)
+
+    @staticmethod
+    def frequencies(kept_pairs: list[list[int]], inv_freq: list[float]) -> torch.Tensor:
+        """[n_rope, r] frequencies inv_freq[k] for k in kept_pairs[ρ]."""
+        return torch.tensor([[inv_freq[i] for i in head] for head in kept_pairs], dtype=torch.float32)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [B, T] → each [B, n_rope, T, 2r]."""
+        angles = position_ids[:, None, :, None].float() * self.inv_freq.float()[None, :, None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
 
 
 class MLAAttention(nn.Module):
     def __init__(self, config: MLAConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.config, self.layer_idx = config, layer_idx
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
         self.n_rope = config.n_rope_heads
+        self.num_key_value_groups = self.n_heads // self.n_kv   # read by transformers' attention functions
+        self.is_causal = True
         self.head_dim, self.d_nope = config.head_dim, config.d_nope_at(layer_idx)
         self.d_rope = 2 * config.rope_pairs_at(layer_idx)
         self.scaling = config.head_dim**-0.5
@@ -123,70 +156,83 @@ class MLAAttention(nn.Module):
             self.k_latent, self.v_latent = slice(0, latent // 2), slice(latent // 2, latent)
         else:
             self.k_latent = self.v_latent = slice(0, latent)
-        k_width, v_width = len(range(latent)[self.k_latent]), len(range(latent)[self.v_latent])
+        self.k_width, self.v_width = len(range(latent)[self.k_latent]), len(range(latent)[self.v_latent])
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * (self.d_nope + self.d_rope), bias=bias)
         self.k_rope_proj = nn.Linear(config.hidden_size, self.n_rope * self.d_rope, bias=bias)
         self.kv_down = nn.Linear(config.hidden_size, latent, bias=False)
-        self.k_up = nn.Linear(k_width, self.n_kv * self.d_nope, bias=bias)
-        self.v_up = nn.Linear(v_width, self.n_kv * self.head_dim, bias=bias)
+        self.k_up = nn.Linear(self.k_width, self.n_kv * self.d_nope, bias=bias)
+        self.v_up = nn.Linear(self.v_width, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
-        self.rope_scaling = config.rope_attention_scaling
-        self.set_rope_pairs(config.kept_pairs[layer_idx], config.rope_inv_freq)
+        self.rotary_emb = MLARotaryEmbedding(config, layer_idx)
 
     def set_rope_pairs(self, kept_pairs: list[list[int]], inv_freq: list[float]) -> None:
         """Use frequencies inv_freq[k] for k in kept_pairs[ρ] on RoPE head ρ ([n_rope][r] indices)."""
-        # an explicit device: from_pretrained builds modules under a meta-device context, and this
-        # tensor is no parameter or buffer that loading would materialise
-        self._inv_freq = torch.tensor([[inv_freq[i] for i in head] for head in kept_pairs], dtype=torch.float32,
-                                      device="cpu")
+        self.rotary_emb.inv_freq = MLARotaryEmbedding.frequencies(kept_pairs, inv_freq).to(self.q_proj.weight.device)
 
-    def forward(self, hidden_states, position_ids, attention_mask, cache: Cache | None = None):
+    def absorbed_is_cheaper(self, queries: int, keys: int) -> bool:
+        """Whether attending over the latent costs fewer multiply-adds than rebuilding K and V for `keys`
+        tokens: absorbed = H·T·S·2·(L_k + 2r) + H·T·(d_nope·L_k + L_v·d_h) (scores and latent values
+        at the absorbed width, plus the query and output maps); expanded = H·T·S·2·max(d_nope + 2r, d_h)
+        + S·n_kv·(L_k·d_nope + L_v·d_h) (scores and values, plus rebuilding K and V)."""
+        H, T, S = self.n_heads, queries, keys
+        absorbed = H * T * S * 2 * (self.k_width + self.d_rope) + H * T * (
+            self.d_nope * self.k_width + self.v_width * self.head_dim)
+        expanded = H * T * S * 2 * max(self.d_nope + self.d_rope, self.head_dim) + S * self.n_kv * (
+            self.k_width * self.d_nope + self.v_width * self.head_dim)
+        return absorbed <= expanded
+
+    def forward(self, hidden_states, position_ids, attention_mask=None, cache: Cache | None = None, **kwargs):
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, self.n_heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
         k_rope = self.k_rope_proj(hidden_states).view(B, T, self.n_rope, self.d_rope).transpose(1, 2)
-        self._inv_freq = self._inv_freq.to(hidden_states.device)
-        cos, sin = rope_cos_sin(position_ids, self._inv_freq, self.rope_scaling, q.dtype)
+        cos, sin = self.rotary_emb(position_ids, q.dtype)
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
         c_kv = self.kv_down(hidden_states).unsqueeze(1)                     # [B, 1, T, n_kv·d_kv]
         if cache is not None:
             c_kv, k_rope = cache.update(c_kv, k_rope, self.layer_idx)      # now over all S tokens
-        if cache is not None and T <= ABSORB_MAX_QUERY:
-            out = self._absorbed(q_nope, q_rope, c_kv, k_rope, attention_mask)
+        if (cache is not None and self.config._attn_implementation in SDPA_MASKS
+                and self.absorbed_is_cheaper(T, c_kv.shape[2])):
+            out = self.absorbed(q_nope, q_rope, c_kv, k_rope, attention_mask)
         else:
-            out = self._expanded(q_nope, q_rope, c_kv, k_rope, attention_mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+            out = self.expanded(q_nope, q_rope, c_kv, k_rope, attention_mask, **kwargs)
+        return self.o_proj(out.reshape(B, T, -1))
 
-    def _expanded(self, q_nope, q_rope, c_kv, k_rope, attention_mask):
+    def expanded(self, q_nope, q_rope, c_kv, k_rope, attention_mask, **kwargs):
+        """K and V rebuilt for every token, attended as GQA by the configured attention function → [B, T, H, d_h]."""
         B, S = c_kv.shape[0], c_kv.shape[2]
         k_nope = self.k_up(c_kv[..., self.k_latent]).view(B, S, self.n_kv, self.d_nope).transpose(1, 2)
         v = self.v_up(c_kv[..., self.v_latent]).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         k_rope = k_rope.repeat_interleave(self.n_kv // self.n_rope, dim=1)
-        k = torch.cat([k_nope, k_rope], dim=-1)                            # [B, n_kv, S, d_nope + 2r]
-        q = torch.cat([q_nope, q_rope], dim=-1)                            # [B, H, T, d_nope + 2r]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling,
-                                              enable_gqa=self.n_heads > self.n_kv)
+        width = max(self.d_nope + self.d_rope, self.head_dim)
+        q = pad_last(torch.cat([q_nope, q_rope], dim=-1), width)           # [B, H, T, width]
+        k = pad_last(torch.cat([k_nope, k_rope], dim=-1), width)           # [B, n_kv, S, width]
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, _ = attention(self, q, k, pad_last(v, width), attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return out[..., :self.head_dim]
 
-    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, attention_mask):
-        """Attention over the latent as one shared key/value head: SDPA reads c_kv once (a fused pass),
-        with the RoPE scores of every head, plus the mask, as its additive bias."""
+    def absorbed(self, q_nope, q_rope, c_kv, k_rope, attention_mask):
+        """Multi-query attention over the latent (one key head per RoPE head) → [B, T, H, d_h]."""
         B, H, T, _ = q_nope.shape
         S, G = c_kv.shape[2], H // self.n_kv
         w_uk = self.k_up.weight.view(self.n_kv, self.d_nope, -1)           # [n_kv, d_nope, L_k]
         q_lat = torch.einsum("bngtd,ndl->bngtl", q_nope.reshape(B, self.n_kv, G, T, -1), w_uk)
-        q_r = q_rope.reshape(B, self.n_rope, (H // self.n_rope) * T, self.d_rope)
-        bias = torch.matmul(q_r, k_rope.transpose(2, 3)).view(B, H, T, S) * self.scaling
-        if attention_mask is not None:
-            bias = bias + attention_mask
-        out_lat = F.scaled_dot_product_attention(                          # [B, 1, H·T, L_v]
-            q_lat.reshape(B, 1, H * T, -1), c_kv[..., self.k_latent], c_kv[..., self.v_latent],
-            attn_mask=bias.view(B, 1, H * T, S), scale=self.scaling)
+        q = torch.cat([q_lat.reshape(B, H, T, -1), q_rope], dim=-1)        # [B, H, T, L_k + 2r]
+        c_k = c_kv[..., self.k_latent].expand(B, self.n_rope, S, self.k_width)
+        k = torch.cat([c_k, k_rope], dim=-1)                               # [B, n_rope, S, L_k + 2r]
+        if self.v_latent == self.k_latent:
+            v = k                                                          # its first L_v columns are c_kv
+        else:
+            v = pad_last(c_kv[..., self.v_latent], k.shape[-1]).expand(B, self.n_rope, S, k.shape[-1])
+        out_lat = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling,
+                                                 is_causal=attention_mask is None and T > 1,
+                                                 enable_gqa=H > self.n_rope)[..., :self.v_width]
         w_uv = self.v_up.weight.view(self.n_kv, self.head_dim, -1)         # [n_kv, d_h, L_v]
-        out = torch.einsum("bngtl,ndl->bngtd", out_lat.view(B, self.n_kv, G, T, -1), w_uv)
+        out = torch.einsum("bngtl,ndl->btngd", out_lat.reshape(B, self.n_kv, G, T, -1), w_uv)
         if self.v_up.bias is not None:
-            out = out + self.v_up.bias.view(1, self.n_kv, 1, 1, self.head_dim)
-        return out.reshape(B, H, T, self.head_dim)
+            out = out + self.v_up.bias.view(1, 1, self.n_kv, 1, self.head_dim)
+        return out.reshape(B, T, H, self.head_dim)
 
 
 class MLADecoderLayer(GradientCheckpointingLayer):
@@ -197,8 +243,8 @@ class MLADecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = MLARMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = MLARMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states, position_ids, attention_mask, cache=None):
-        attn_out = self.self_attn(self.input_layernorm(hidden_states), position_ids, attention_mask, cache)
+    def forward(self, hidden_states, position_ids, attention_mask=None, cache=None, **kwargs):
+        attn_out = self.self_attn(self.input_layernorm(hidden_states), position_ids, attention_mask, cache, **kwargs)
         return self.after_attention(hidden_states, attn_out)
 
     def after_attention(self, hidden_states, attn_out):
@@ -214,6 +260,8 @@ class MLAPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["MLADecoderLayer"]
     _supports_sdpa = True
+    _supports_flash_attn = True
+    _can_record_outputs = {"hidden_states": MLADecoderLayer}
 
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -225,12 +273,10 @@ class MLAPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, MLARMSNorm):
             nn.init.ones_(module.weight)
-
-
-def _pick_cache(kwargs: dict) -> Cache | None:
-    """The cache under either name (`cache` from transformers 5.24 on, `past_key_values` before)."""
-    cache, legacy = kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
-    return cache if cache is not None else legacy
+        elif isinstance(module, MLARotaryEmbedding):
+            with torch.no_grad():
+                module.inv_freq.copy_(module.frequencies(self.config.kept_pairs[module.layer_idx],
+                                                         self.config.rope_inv_freq))
 
 
 class MLAModel(MLAPreTrainedModel):
@@ -248,25 +294,30 @@ class MLAModel(MLAPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                use_cache=None, **kwargs) -> BaseModelOutputWithPast:
-        cache = _pick_cache(kwargs)
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                inputs_embeds=None, use_cache=None, past_key_values: Cache | None = None,
+                **kwargs) -> BaseModelOutputWithPast:
+        cache = cache if cache is not None else past_key_values   # the name before transformers 5.24
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         B, T, _ = inputs_embeds.shape
         if use_cache and cache is None:
             cache = LatentCache(self.config)
-        past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             if attention_mask is not None:  # count real tokens, so left padding does not shift positions
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:]
             else:
+                past = cache.get_seq_length() if cache is not None else 0
                 position_ids = torch.arange(past, past + T, device=inputs_embeds.device)[None].expand(B, T)
-        mask = additive_attention_mask(attention_mask, B, T, past + T, self.config.sliding_window,
-                                       inputs_embeds.dtype, inputs_embeds.device)
+        make_mask = create_sliding_window_causal_mask if self.config.sliding_window else create_causal_mask
+        mask = make_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
         hidden = inputs_embeds
         for layer in self.layers:
-            hidden = layer(hidden, position_ids, mask, cache)
+            hidden = layer(hidden, position_ids, mask, cache, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), **{CACHE_NAME: cache})
 
 
@@ -300,25 +351,28 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                labels=None, use_cache=None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
-        cache = _pick_cache(kwargs)
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int = 0,
+                past_key_values: Cache | None = None, **kwargs) -> CausalLMOutputWithPast:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, use_cache=use_cache, **{CACHE_NAME: cache})
+                         cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
+                         use_cache=use_cache, **kwargs)
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
-                                      **{k: v for k, v in kwargs.items() if k == "num_items_in_batch"})
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: getattr(out, CACHE_NAME)})
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                      **{CACHE_NAME: getattr(out, CACHE_NAME)})
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() gets a LatentCache(config) — so config.kv_bits — unless the caller passed a cache
-        or turned caching off."""
-        if (model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False
-                and generation_config.cache_implementation is None):
-            model_kwargs[CACHE_NAME] = LatentCache(self.config)
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        """generate()'s default cache for this model is a LatentCache(config), so config.kv_bits: an empty
+        plain DynamicCache (what generate makes when no cache is passed) is replaced by one; any other
+        cache is used as it is."""
+        cache = kwargs.get(CACHE_NAME)
+        if type(cache) is DynamicCache and cache.get_seq_length() == 0:
+            kwargs[CACHE_NAME] = LatentCache(self.config)
+        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
