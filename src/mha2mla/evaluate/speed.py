@@ -10,9 +10,11 @@ peak memory never falls:
      decode tok/s = batch / median step time (the median shrugs off stalls caused by other jobs);
   3. peak_mb = the process's peak resident memory from after loading to the end (weights, cache,
      transients; MiB; the load's own transients excluded by resetting the count after it);
-     kv_bytes = the bytes the cache holds after the last step.
-The MLA model's KV bytes per token and layer are n_kv·(d_kv + 2r)·bytes (per-head RoPE layout), the
-source's 2·n_kv·d_h·bytes; the saved memory shows in peak_mb.
+     kv_bytes = the bytes the cache holds after the last step; loaded_mb = resident memory once the
+     model is loaded (weights and the runtime), weights_mb = the parameters' bytes, so that
+     peak = loaded + cache + transients.
+The MLA model's KV bytes per token and layer are its latent width plus its RoPE key dims times the
+element size, the source's 2·n_kv·d_h·bytes; the saved memory shows in peak_mb.
 """
 
 from __future__ import annotations
@@ -52,17 +54,22 @@ def reset_peak() -> None:
         pass
 
 
+def resident_mb(field: str = "VmRSS") -> float:
+    """A memory field of /proc/self/status in MiB (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+
 def peak_mb() -> float:
     """Peak resident memory of this process since `reset_peak`, in MiB: VmHWM of /proc/self/status.
 
     Not ru_maxrss: on Linux a child inherits its parent's maxrss through fork and exec, so a small
     worker would report the peak of the process that started it.
     """
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # macOS: bytes
+    return resident_mb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # macOS: bytes
 
 
 def _step(model, ids, cache):
@@ -75,12 +82,16 @@ def _step(model, ids, cache):
 @torch.inference_mode()
 def measure(model: str, context: int, batch: int, new_tokens: int = 32, kv_bits: int = 16,
             chunk: int = 512, seed: int = 0) -> dict:
-    """Prefill and decode one model in this process: {prefill_s, decode_tok_s, peak_mb, kv_bytes}."""
+    """Prefill and decode one model in this process: {prefill_s, decode_tok_s, peak_mb, kv_bytes, loaded_mb,
+    weights_mb}."""
     from ..sources import load_model
 
     net, _ = load_model(model)
+    for p in net.parameters():   # page in weights that loading left memory-mapped, so loaded_mb holds them
+        p.sum()
     gc.collect()
     reset_peak()
+    loaded_mb = resident_mb()
     torch.manual_seed(seed)
     prompt = torch.randint(0, net.config.vocab_size, (batch, context))
     cache = LatentCache(net.config, kv_bits=kv_bits) if is_mla(net) else None
@@ -95,7 +106,8 @@ def measure(model: str, context: int, batch: int, new_tokens: int = 32, kv_bits:
         token, cache = _step(net, token, cache)
         step_s.append(time.perf_counter() - start)
     return {"prefill_s": prefill_s, "decode_tok_s": batch / statistics.median(step_s), "peak_mb": peak_mb(),
-            "kv_bytes": cache_bytes(cache)}
+            "kv_bytes": cache_bytes(cache), "loaded_mb": loaded_mb,
+            "weights_mb": sum(p.numel() * p.element_size() for p in net.parameters()) / 2**20}
 
 
 def measure_in_subprocess(model: str, context: int, batch: int, new_tokens: int = 32, kv_bits: int = 16,

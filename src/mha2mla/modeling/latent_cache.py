@@ -48,7 +48,10 @@ def group_size_for(width: int, group_size: int) -> int:
 
 
 def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group-wise asymmetric quantization of the last dim, packed: (codes uint8, scale, zero) in fp16."""
+    """Group-wise asymmetric quantization of the last dim, packed: (codes uint8, scale, zero) in fp16.
+
+    Codes are packed in planes: byte j holds values j, j + n, j + 2n … (n = width·bits/8), one per
+    `bits`-wide field, so unpacking is one shift-and-mask per plane over contiguous bytes."""
     *lead, width = x.shape
     xg = x.float().reshape(*lead, width // group, group)
     lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
@@ -56,23 +59,25 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     scale = ((hi - lo) / levels).clamp_min(1e-8)
     q = ((xg - lo) / scale).round_().clamp_(0, levels).to(torch.uint8).reshape(*lead, width)
     per_byte = 8 // bits
-    q = q.reshape(*lead, width // per_byte, per_byte)
-    shifts = torch.arange(per_byte, device=x.device, dtype=torch.uint8) * bits
-    packed = (q << shifts).sum(-1, dtype=torch.uint8)
+    planes = q.reshape(*lead, per_byte, width // per_byte)
+    packed = planes[..., 0, :].clone()
+    for k in range(1, per_byte):
+        packed |= planes[..., k, :] << (bits * k)
     return packed, scale.squeeze(-1).half(), lo.squeeze(-1).half()
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize`, in `dtype`."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.uint8) * bits
-    q = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
+               dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `quantize`, in `dtype`, written into `out` ([*lead, width]) when given."""
     *lead, n_bytes = packed.shape
-    groups = scale.shape[-1]
-    q = q.view(*lead, groups, n_bytes * per_byte // groups).float()
-    x = torch.addcmul(zero.float().unsqueeze(-1), q, scale.float().unsqueeze(-1))   # one pass: zero + q·scale
-    return x.view(*lead, n_bytes * per_byte).to(dtype)
+    per_byte, groups = 8 // bits, scale.shape[-1]
+    if out is None:
+        out = packed.new_empty(*lead, n_bytes * per_byte, dtype=dtype)
+    for k in range(per_byte):     # codes straight into the output, converted on the way
+        out[..., k * n_bytes:(k + 1) * n_bytes] = (packed >> (bits * k)) & (2**bits - 1)
+    grouped = out.view(*lead, groups, n_bytes * per_byte // groups)
+    grouped.mul_(scale.to(dtype).unsqueeze(-1)).add_(zero.to(dtype).unsqueeze(-1))
+    return out
 
 
 class BatchOpsMixin:
@@ -119,7 +124,10 @@ class QuantizedLatentLayer(BatchOpsMixin, DynamicLayer):
     """One layer's latent cache with int4/int2 storage and a full-precision window of recent tokens.
 
     `keys` / `values` (inherited names) hold the full-precision window of c_kv / k_rope; `packed`
-    holds, per tensor, (codes, scale, zero) of everything older.
+    holds, per tensor, buffers (codes, scale, zero) with spare token rows, of which the first
+    `quantized` rows are filled: a decode step quantizes the token leaving the window and writes its
+    row, without copying the history. Attention reads the history dequantized into one transient
+    tensor per layer, which holds no more than one layer's full-precision cache at a time.
     """
 
     is_croppable = False
@@ -130,6 +138,7 @@ class QuantizedLatentLayer(BatchOpsMixin, DynamicLayer):
             raise ValueError(f"kv_bits must be 16, 4 or 2, got {bits}")
         self.bits, self.residual, self.group_size = bits, residual, group_size
         self.packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self.quantized = 0
         self.dtype: torch.dtype | None = None
 
     def _quantize(self, x: torch.Tensor):
@@ -148,41 +157,48 @@ class QuantizedLatentLayer(BatchOpsMixin, DynamicLayer):
         if overflow > 0:
             fresh = [self._quantize(t[..., :overflow, :]) for t in (self.keys, self.values)]
             if self.packed is None:
-                self.packed = fresh
-            else:
-                self.packed = [tuple(torch.cat([a, b], dim=-2) for a, b in zip(old, new))
-                               for old, new in zip(self.packed, fresh)]
+                self.packed = [tuple(t[..., :0, :] for t in parts) for parts in fresh]
+            self.packed = [tuple(append_rows(b, self.quantized, x) for b, x in zip(old, new))
+                           for old, new in zip(self.packed, fresh)]
+            self.quantized += overflow
             self.keys = self.keys[..., overflow:, :].contiguous()
             self.values = self.values[..., overflow:, :].contiguous()
         return self._full()
 
+    def _stored_packed(self) -> list[tuple[torch.Tensor, ...]]:
+        """The filled rows of the packed buffers."""
+        return [tuple(t[..., :self.quantized, :] for t in parts) for parts in self.packed or []]
+
     def _full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c_kv, k_rope) over every cached token: the history dequantized, then the window."""
         if self.packed is None:
             return self.keys, self.values
-        old = [dequantize(*p, self.bits, self.dtype) for p in self.packed]
-        return torch.cat([old[0], self.keys], dim=-2), torch.cat([old[1], self.values], dim=-2)
+        full = []
+        for parts, window in zip(self._stored_packed(), (self.keys, self.values)):
+            out = window.new_empty(*window.shape[:-2], self.quantized + window.shape[-2], window.shape[-1])
+            dequantize(*parts, self.bits, self.dtype, out=out[..., :self.quantized, :])
+            out[..., self.quantized:, :] = window
+            full.append(out)
+        return full[0], full[1]
 
     def get_seq_length(self) -> int:
-        if not self.is_initialized:
-            return 0
-        quantized = self.packed[0][0].shape[-2] if self.packed is not None else 0
-        return quantized + self.keys.shape[-2]
+        return self.quantized + self.keys.shape[-2] if self.is_initialized else 0
 
     def tensors(self) -> list[torch.Tensor]:
         stored = [self.keys, self.values] if self.is_initialized else []
-        return stored + ([t for p in self.packed for t in p] if self.packed is not None else [])
+        return stored + [t for parts in self._stored_packed() for t in parts]
 
     def _map(self, fn) -> None:
         if self.is_initialized:
             self.keys, self.values = fn(self.keys), fn(self.values)
             if self.packed is not None:
-                self.packed = [tuple(fn(t) for t in p) for p in self.packed]
+                self.packed = [tuple(fn(t) for t in parts) for parts in self._stored_packed()]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a quantized latent cache cannot be cropped; use kv_bits=16")
 
     def reset(self) -> None:
-        self.packed = None
+        self.packed, self.quantized = None, 0
         super().reset()
 
 
