@@ -62,7 +62,7 @@ def layer_stats(layer, hidden: list[torch.Tensor], config) -> LayerStats:
     """Statistics of one decoder layer's attention inputs for its input hidden states (one [b, T, D]
     tensor per batch of calibration blocks)."""
     hidden_size = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or hidden_size // config.num_attention_heads
+    head_dim = layer.self_attn.head_dim
     stats = {"xx": torch.zeros(hidden_size, hidden_size, dtype=torch.float64),
              "x": torch.zeros(hidden_size, dtype=torch.float64),
              "q": torch.zeros(config.num_attention_heads, head_dim // 2, dtype=torch.float64),

@@ -51,7 +51,7 @@ from .modeling.modeling_mla import MLAAttention, MLADecoderLayer
 from .partial_rope import STRATEGIES, check_rope_pairs, select_pairs, split_dims
 from .refit import REFITS, refit_outputs
 from .rope_pca import pca_basis, query_rows
-from .sources import open_source, save_atomically
+from .sources import head_dim_of, open_source, save_atomically
 from .weights import ShardWriter
 
 INITS = ("weight", "activation", "output")
@@ -78,10 +78,6 @@ ROPE_SHARES = (1 / 5, 1 / 4, 1 / 3)
 HELD_IN_BLOCKS = 4  # held-in documents (one block each) that score the budget search's candidates
 AUTO_BALANCES = (0.25, 1.0, 4.0)  # K/V balances β tried by --kv-balance auto
 CALIB_BATCH = 4  # calibration blocks per forward pass
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def max_latent(config, rope_pairs: int, strategy: str) -> int:

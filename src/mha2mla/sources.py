@@ -45,6 +45,11 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _SUPPORTED_TEXT = "supported families: Llama, Mistral, Qwen2 (MHA or GQA with RoPE, separate q/k/v, no QK-norm)"
 
 
+def head_dim_of(config) -> int:
+    """A source config's head size (its `head_dim`, else hidden_size / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("MHA2MLA_CACHE", Path.home() / ".cache" / "mha2mla"))
 

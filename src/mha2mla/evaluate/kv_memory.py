@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from ..errors import UserError
 from ..modeling.latent_cache import kv_bytes_per_token_per_layer
+from ..sources import head_dim_of
 
 
 def source_elements_per_token_per_layer(config) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_key_value_heads * head_dim
+    return 2 * config.num_key_value_heads * head_dim_of(config)
 
 
 def kv_elements_per_token_per_layer(config) -> int:

@@ -34,6 +34,7 @@ from ..errors import UserError
 from ..generate import check_fits_context, check_kv_bits, is_mla
 from ..modeling import LatentCache
 from ..modeling.latent_cache import kv_bytes_per_token_per_layer
+from .kv_memory import source_elements_per_token_per_layer
 from ..modeling.modeling_mla import CACHE_NAME
 
 
@@ -173,8 +174,7 @@ def estimated_peak_bytes(model, context: int, batch: int, new_tokens: int, kv_bi
     if is_mla(model):
         per_token = kv_bytes_per_token_per_layer(c, kv_bits, width) * c.num_hidden_layers
     else:
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        per_token = 2 * c.num_key_value_heads * head_dim * width * c.num_hidden_layers
+        per_token = source_elements_per_token_per_layer(c) * width * c.num_hidden_layers
     rows = batch * min(chunk, context)
     mlp = rows * (3 * c.intermediate_size + 4 * c.hidden_size) * width
     attention = batch * c.num_attention_heads * context * (2 * min(chunk, context) + 4 * c.hidden_size

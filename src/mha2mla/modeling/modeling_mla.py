@@ -218,21 +218,38 @@ class MLAAttention(nn.Module):
         S, G = c_kv.shape[2], H // self.n_kv
         w_uk = self.k_up.weight.view(self.n_kv, self.d_nope, -1)           # [n_kv, d_nope, L_k]
         q_lat = torch.einsum("bngtd,ndl->bngtl", q_nope.reshape(B, self.n_kv, G, T, -1), w_uk)
-        q = torch.cat([q_lat.reshape(B, H, T, -1), q_rope], dim=-1)        # [B, H, T, L_k + 2r]
-        c_k = c_kv[..., self.k_latent].expand(B, self.n_rope, S, self.k_width)
-        k = torch.cat([c_k, k_rope], dim=-1)                               # [B, n_rope, S, L_k + 2r]
-        if self.v_latent == self.k_latent:
-            v = k                                                          # its first L_v columns are c_kv
+        q_lat = q_lat.reshape(B, H, T, -1)                                 # [B, H, T, L_k]
+        if T == 1:
+            out_lat = self.latent_scores_attention(q_lat, q_rope, c_kv, k_rope, attention_mask)
         else:
-            v = pad_last(c_kv[..., self.v_latent], k.shape[-1]).expand(B, self.n_rope, S, k.shape[-1])
-        out_lat = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling,
-                                                 is_causal=attention_mask is None and T > 1,
-                                                 enable_gqa=H > self.n_rope)[..., :self.v_width]
+            q = torch.cat([q_lat, q_rope], dim=-1)                         # [B, H, T, L_k + 2r]
+            c_k = c_kv[..., self.k_latent].expand(B, self.n_rope, S, self.k_width)
+            k = torch.cat([c_k, k_rope], dim=-1)                           # [B, n_rope, S, L_k + 2r]
+            if self.v_latent == self.k_latent:
+                v = k                                                      # its first L_v columns are c_kv
+            else:
+                v = pad_last(c_kv[..., self.v_latent], k.shape[-1]).expand(B, self.n_rope, S, k.shape[-1])
+            out_lat = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling,
+                                                     is_causal=attention_mask is None, enable_gqa=H > self.n_rope)
+        out_lat = out_lat[..., :self.v_width]
         w_uv = self.v_up.weight.view(self.n_kv, self.head_dim, -1)         # [n_kv, d_h, L_v]
         out = torch.einsum("bngtl,ndl->btngd", out_lat.reshape(B, self.n_kv, G, T, -1), w_uv)
         if self.v_up.bias is not None:
             out = out + self.v_up.bias.view(1, 1, self.n_kv, 1, self.head_dim)
         return out.reshape(B, T, H, self.head_dim)
+
+    def latent_scores_attention(self, q_lat, q_rope, c_kv, k_rope, attention_mask):
+        """One query per head: scores as the sum of two products against the cached tensors as they
+        lie (the heads of each RoPE head as its rows), so the latent is read twice and never copied."""
+        B, H = q_lat.shape[:2]
+        rows = H // self.n_rope
+        scores = (torch.matmul(q_lat.view(B, self.n_rope, rows, -1), c_kv[..., self.k_latent].transpose(2, 3))
+                  + torch.matmul(q_rope.view(B, self.n_rope, rows, -1), k_rope.transpose(2, 3))) * self.scaling
+        if attention_mask is not None:
+            scores = (scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+                      if attention_mask.dtype == torch.bool else scores + attention_mask)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+        return torch.matmul(probs, c_kv[..., self.v_latent]).view(B, H, 1, -1)
 
 
 class MLADecoderLayer(GradientCheckpointingLayer):
