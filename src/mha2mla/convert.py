@@ -51,7 +51,8 @@ from .modeling.modeling_mla import MLAAttention, MLADecoderLayer
 from .partial_rope import STRATEGIES, check_rope_pairs, select_pairs, split_dims
 from .refit import REFITS, refit_outputs
 from .rope_pca import pca_basis, query_rows
-from .sources import head_dim_of, open_source, save_atomically
+from .atomic import save_atomically
+from .sources import head_dim_of, open_source
 from .weights import ShardWriter
 
 INITS = ("weight", "activation", "output")

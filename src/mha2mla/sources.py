@@ -16,18 +16,17 @@ q/k/v projections, RoPE, no QK-norm). `load_model` also opens converted MLA chec
 
 from __future__ import annotations
 
-import errno
 import importlib.util
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from .atomic import save_atomically, write_file_atomically
 from .errors import UserError
 from .weights import (GGUFTensorReader, SafetensorsReader, StateDictReader, check_gguf_tensors, gguf_architecture,
                       open_gguf)
@@ -68,28 +67,6 @@ def strip_gguf_quantizer(model) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.is_quantized = False
-
-
-def save_atomically(out: Path, write) -> None:
-    """Call write(tmp_dir), then move tmp_dir to `out` (replacing it): no half-written output, also
-    when the disk fills up (a UserError)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        try:
-            write(tmp)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise UserError(f"the disk is full while writing {out}: free space or write elsewhere "
-                                f"(nothing was kept)") from None
-            raise
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_gguf(path: Path):
@@ -140,13 +117,12 @@ def bundled_gguf(alias: str) -> Path:
         return paths[0]
     joined = cache_root() / f"{alias}.gguf"
     if not joined.is_file():
-        joined.parent.mkdir(parents=True, exist_ok=True)
-        tmp = joined.with_name(f".{joined.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as out:
+        def join(out):
             for path in paths:
                 with open(path, "rb") as part:
                     shutil.copyfileobj(part, out, 16 * 1024**2)
-        tmp.rename(joined)
+
+        write_file_atomically(joined, join, "wb")
     return joined
 
 

@@ -46,6 +46,7 @@ from accelerate import PartialState
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
+from .atomic import write_file_atomically
 from .data import default_train_text, pack_blocks
 from .errors import UserError
 from .sources import load_model
@@ -211,10 +212,8 @@ def check_resumable(out: Path, record: dict) -> dict | None:
     return previous
 
 
-def write_json_atomically(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+def write_run_record(out: Path, record: dict) -> None:
+    write_file_atomically(out / "run.json", lambda f: f.write(json.dumps(record, indent=1) + "\n"))
 
 
 # ---- output folder, checkpoints, loss log -------------------------------------------------------
@@ -235,9 +234,10 @@ def prepare_out(out: Path, record: dict, resume: bool, is_main: bool) -> Path | 
     if is_main:
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
         shutil.rmtree(out / "checkpoints" / ".staging", ignore_errors=True)
-        write_json_atomically(out / "run.json", record)
+        write_run_record(out, record)
         done = int(checkpoint.name.split("-")[1]) if checkpoint else 0
-        write_lines_atomically(out / "loss.jsonl", logged_steps(out / "loss.jsonl", done))
+        kept = logged_steps(out / "loss.jsonl", done)
+        write_file_atomically(out / "loss.jsonl", lambda f: f.writelines(line + "\n" for line in kept))
     PartialState().wait_for_everyone()
     return checkpoint
 
@@ -252,12 +252,6 @@ def logged_steps(path: Path, up_to: int) -> list[str]:
         except (ValueError, KeyError):
             continue
     return lines
-
-
-def write_lines_atomically(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
 
 
 def drop_checkpoint_before(folder: Path, bad_step: int, is_main: bool) -> Path | None:
@@ -344,18 +338,15 @@ def save_final(trainer: Trainer, tokenizer, out: Path, record: dict) -> None:
     An MLA model is saved as a self-contained checkpoint (auto_map, modeling files, model card), like
     the converter's output.
     """
-    from .checkpoint import AUTO_MAP, MODELING_DIR, MODELING_FILES, model_card
+    from .checkpoint import write_checkpoint_files
 
-    config = trainer.model.config
-    if config.model_type == "mla":
-        config.auto_map = dict(AUTO_MAP)
     trainer.save_model(str(out))  # every process: FSDP/DeepSpeed gather the weights here
     if trainer.args.process_index == 0:
-        tokenizer.save_pretrained(out)
-        if config.model_type == "mla":
-            for name in MODELING_FILES:
-                shutil.copy(MODELING_DIR / name, out / name)
-            (out / "README.md").write_text(model_card(config))
-        write_json_atomically(out / "run.json", record)
+        config = trainer.model.config
+        if config.model_type == "mla":  # config with auto_map, tokenizer, modeling files, model card
+            write_checkpoint_files(config, tokenizer, None, out)
+        else:
+            tokenizer.save_pretrained(out)
+        write_run_record(out, record)
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     PartialState().wait_for_everyone()
