@@ -1,8 +1,9 @@
 """The MHA2MLA paper's Table 1 for SmolLM2-135M: the source against its MLA conversions, zero-shot.
 
-Rows: SmolLM2-135M, then `convert_model("smollm2-135m", None, d_kv=d)` for d in 8, 16, 32 (defaults
-of the converter otherwise: 2-norm RoPE pairs, joint SVD, activation-aware init; no fine-tuning, so
-these are the conversions' starting points, not the paper's fine-tuned numbers). Columns: the seven
+Rows: SmolLM2-135M, then `convert_model("smollm2-135m", None, d_kv=d)` for d in 8, 16, 32: the default
+recipe at the paper's cache sizes n_kv·(d + 2·d_h/16) = 48 / 72 / 120 values, with its default RoPE
+split (no fine-tuning, so these are the conversions' starting points, not the paper's fine-tuned
+numbers). Columns: the seven
 lm-eval tasks on the first `--limit` documents each (stated in the output), their average, KV bytes
 per token per layer and the KV reduction; then the wall time of each model. Prints, never asserts.
 

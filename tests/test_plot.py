@@ -9,7 +9,7 @@ from matplotlib.colors import to_hex
 
 from mha2mla.cli import main
 from mha2mla.errors import UserError
-from mha2mla.plot import COLORS, ema, loss_figure
+from mha2mla.plot import ema, loss_figure
 
 VARIANTS = ("base", "d_kv=8", "d_kv=16", "d_kv=32")
 
@@ -36,10 +36,10 @@ def test_two_panels_four_labelled_lines(runs, tmp_path):
         assert (ax.get_xlabel(), ax.get_ylabel()) == ("#Step", "Loss")
         lines = {line.get_label(): line for line in ax.get_lines()}
         assert set(lines) == set(VARIANTS)
-        assert {v: to_hex(line.get_color()) for v, line in lines.items()} == COLORS
+        assert {v: to_hex(line.get_color()) for v, line in lines.items()} == {
+            "d_kv=8": "#f08cc0", "d_kv=16": "#9b5fc0", "d_kv=32": "#4b1c6e", "base": "#000000"}  # pink → dark purple, black
         assert list(lines["d_kv=8"].get_xdata()) == list(range(1, 11))
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["d_kv=8", "d_kv=16", "d_kv=32", "base"]
-    assert COLORS["base"] == "#000000"
     assert (tmp_path / "fig" / "loss.png").stat().st_size > 0 and (tmp_path / "fig" / "loss.svg").stat().st_size > 0
 
 

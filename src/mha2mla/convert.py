@@ -56,26 +56,14 @@ from .sources import head_dim_of, open_source
 from .weights import ShardWriter
 
 INITS = ("weight", "activation", "output")
-# Named settings. `default` is the best measured on SmolLM2-135M (benchmarks/kv_budget.py, README):
-# RoPE concentration with folding 4 and activation-aware SVD, about a quarter of the cache for RoPE.
-# `paper` is the MHA2MLA paper's recipe: per-head 2-norm partial RoPE, weight-only joint SVD.
+# Named settings: `default` is the best measured on SmolLM2-135M (README; docs/experiments.md keeps
+# the measurements behind each choice); `paper` is the MHA2MLA paper's recipe.
 RECIPES = {
     "default": dict(rope_strategy="pca", freq_fold=4, init="activation", sequential=True, refit="vo"),
     "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False, refit="none"),
 }
-# `default` re-fits v_up and then o_proj (with the strong ridge of refit.O_PROJ_DAMPING): on
-# SmolLM2-135M (WikiText ppl) better than v_up alone after RoPE concentration (72 values: 267 vs
-# 354) and after per-head partial RoPE (2-norm r=4, d_kv=16: 505 vs 605). `paper` has no refit.
-# Default share of a pca budget spent on the shared RoPE key, rounded to whole rounds over the
-# frequency groups (rope_pairs_for). On SmolLM2-135M with F = 4 (8 groups) that is 16 RoPE dims at 72
-# (ppl 305; 32 dims gave 414) and 32 at 120 (ppl 100; 16 dims not measured there), with the o_proj
-# ridge at 1e-4.
-ROPE_SHARE = 1 / 4
-# Shares of a budget the split search gives RoPE (then rounded as above). Before the round-by-round
-# allocation, an eighth had the worst held-in loss at 48, 72 and 120 and a half was never best
-# (benchmarks/results/kv_budget_budgets_previous_default.txt); few candidates keep the search under
-# 10 minutes on 2 cores.
-ROPE_SHARES = (1 / 5, 1 / 4, 1 / 3)
+ROPE_SHARE = 1 / 4                  # share of a pca budget for the shared RoPE key, without a search
+ROPE_SHARES = (1 / 5, 1 / 4, 1 / 3)  # shares the budget search tries (few: it converts once per share)
 HELD_IN_BLOCKS = 4  # held-in documents (one block each) that score the budget search's candidates
 AUTO_BALANCES = (0.25, 1.0, 4.0)  # K/V balances β tried by --kv-balance auto
 CALIB_BATCH = 4  # calibration blocks per forward pass
@@ -103,7 +91,7 @@ def mla_config_for(c, *, rope_pairs: int, latent_dim: int, rope_layout: str, svd
                    scaling: float, source_name: str) -> MLAConfig:
     family = c.model_type
     sliding = c.sliding_window if family == "mistral" or getattr(c, "use_sliding_window", False) else None
-    return MLAConfig(
+    config = MLAConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads, head_dim=head_dim_of(c), hidden_act=c.hidden_act,
@@ -118,6 +106,8 @@ def mla_config_for(c, *, rope_pairs: int, latent_dim: int, rope_layout: str, svd
         svd=svd, source_model=source_name,
         source_family=family, pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id,
         eos_token_id=c.eos_token_id)
+    config._attn_implementation = "sdpa"   # for the layers the conversion builds outside a PreTrainedModel
+    return config
 
 
 def rows(weight: torch.Tensor, heads: int, dims_per_head: list[list[int]]) -> torch.Tensor:

@@ -14,10 +14,7 @@ rank: every group's top component (largest key eigenvalue) first, then every gro
 so on, so each group's strongest directions keep RoPE and leave the position-free remainder that
 the latent has to compress. Within a group, the ρ-th of its q kept components rotates with the
 group's frequency ρ·⌊F/q⌋ (the first, the highest, for the top one) — an approximation, exact for
-F = 1. This is TransMLA's RoRoPE + FreqFold allocation. On SmolLM2-135M with 32 RoPE dims, F = 4
-and a full-rank latent it gives perplexity 47, where keeping the best-scored components wherever
-they are (below), each rotating with its group's middle frequency, gave 111 (README, "Quality at
-a fixed KV budget").
+F = 1. This is TransMLA's RoRoPE + FreqFold allocation.
 
 Within a rank, groups are ordered by the score change that dropping their RoPE would cause: a pair
 rotated by θ·Δ between positions s and t = s + Δ contributes q'ᵀ R(θΔ) k', and without RoPE q'ᵀ k';
