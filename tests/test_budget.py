@@ -99,7 +99,9 @@ def test_kv_budget_cli_and_errors(smollm2, wiki_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     kv = subprocess.run([sys.executable, "-m", "mha2mla.cli", "kv-size", str(out), "--json"], capture_output=True,
                         text=True)
-    assert json.loads(kv.stdout.strip().splitlines()[-1])["kv_elements_per_token_per_layer"] == 30
+    report = json.loads(kv.stdout.strip().splitlines()[-1])
+    # shared RoPE key: d_kv names the paper's layout of the same size, 2·(d_kv + 2·d_h/16) = 30 with d_h 16
+    assert report["kv_elements_per_token_per_layer"] == 30 and report["d_kv"] == 13
     for budget in ("2", "64", "1000"):  # below the smallest possible; the source's own size; above it
         bad = tmp_path / f"bad{budget}"
         run = subprocess.run([sys.executable, "-m", "mha2mla.cli", "convert", str(src_dir), str(bad), "--kv-budget",
@@ -198,3 +200,19 @@ def test_budget_search_without_enough_held_in_documents_is_a_user_error(tokenize
     with pytest.raises(UserError, match="more documents"):
         convert_model((tiny_source("llama", vocab=49152), tokenizer), kv_budget=40, rope_strategy="pca",
                       calib_data=[path], calib_samples=2, calib_seq_len=32, progress=False)
+
+
+def test_d_kv_names_the_cache_in_the_papers_terms():
+    """SmolLM2's shape: the per-head layout at d_kv=16 (r=4) and the shared key with 16 RoPE dims cache
+    72 values each, and both are called d_kv=16."""
+    from mha2mla.convert import paper_d_kv
+    from mha2mla.modeling import MLAConfig
+
+    smol = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=2)
+    shared = MLAConfig(**smol, rope_layout="shared", d_kv=16, rope_pairs=8)
+    per_head = MLAConfig(**smol, rope_layout="per_head", d_kv=16, rope_pairs=4)
+    assert (shared.latent_dim, per_head.latent_dim) == (56, 48)
+    assert shared.kv_elements_per_token_per_layer == per_head.kv_elements_per_token_per_layer == 72
+    assert paper_d_kv(shared) == paper_d_kv(per_head) == 16
+    uneven = MLAConfig(**smol, rope_layout="shared", rope_pairs=8, layer_rope_pairs=[8, 4], layer_latent_dims=[56, 66])
+    assert paper_d_kv(uneven) == pytest.approx((72 + 74) / 2 / 3 - 8, abs=0.01)

@@ -50,7 +50,7 @@ def test_convert_json_and_kv_size(tiny_dir, wiki_dir, tmp_path):
     assert report["kv"]["kv_elements_per_token_per_layer"] == 2 * (4 + 4)
     assert report["process_peak_rss_mb"] > 100 and report["device"] in ("cpu", "cuda")
     kv = json.loads(cli("kv-size", out, "--json").stdout.strip().splitlines()[-1])
-    assert kv["kv_elements_per_token_per_layer"] == 16
+    assert kv["kv_elements_per_token_per_layer"] == 16 and kv["d_kv"] == 4   # per-head: latent per KV head
     assert kv["reduction_pct"] == pytest.approx(75.0)
     assert set(kv["quantized"]) == {"4", "2"}
     again = cli("convert", tiny_dir, out, "--d-kv", 4, "--calib-data", wiki_dir)

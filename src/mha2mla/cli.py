@@ -23,7 +23,7 @@ def _emit(result: dict, as_json: bool, human) -> None:
 def _print_kv(r: dict) -> None:
     print(f"KV cache per token per layer: {r['kv_elements_per_token_per_layer']} values, "
           f"{r['kv_bytes_per_token']} bytes (source {r['source_kv_bytes_per_token']} bytes), "
-          f"reduction {r['reduction_pct']:.2f} %")
+          f"reduction {r['reduction_pct']:.2f} %" + (f" (the paper's d_kv={r['d_kv']})" if "d_kv" in r else ""))
     if "reduction_vs_original_pct" in r:
         print(f"reduction against the original (un-expanded) model: {r['reduction_vs_original_pct']:.2f} %")
     for bits, q in r.get("quantized", {}).items():

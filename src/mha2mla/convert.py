@@ -101,13 +101,24 @@ def mla_config_for(c, *, rope_pairs: int, latent_dim: int, rope_layout: str, svd
         o_proj_bias=bool(getattr(c, "attention_bias", False)) and family != "qwen2",
         mlp_bias=bool(getattr(c, "mlp_bias", False)), sliding_window=sliding,
         rope_theta=(getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", None)),
-        rope_inv_freq=inv_freq, rope_attention_scaling=scaling, d_kv=latent_dim // c.num_key_value_heads,
+        rope_inv_freq=inv_freq, rope_attention_scaling=scaling,
         latent_dim=latent_dim, rope_pairs=rope_pairs, kept_pairs=kept_pairs, rope_layout=rope_layout,
         svd=svd, source_model=source_name,
         source_family=family, pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id,
         eos_token_id=c.eos_token_id)
     config._attn_implementation = "sdpa"   # for the layers the conversion builds outside a PreTrainedModel
+    config.d_kv = paper_d_kv(config)
     return config
+
+
+def paper_d_kv(config: MLAConfig) -> int | float:
+    """The d_kv that names a converted model's cache in the paper's terms (MLAConfig's docstring)."""
+    n_kv, layers = config.num_key_value_heads, range(config.num_hidden_layers)
+    if config.rope_layout == "per_head":
+        width = sum(config.latent_dim_at(i) for i in layers) / len(layers) / n_kv
+    else:
+        width = config.kv_elements_per_token_per_layer / n_kv - 2 * max(1, config.head_dim // 16)
+    return int(width) if width == int(width) else round(width, 2)
 
 
 def rows(weight: torch.Tensor, heads: int, dims_per_head: list[list[int]]) -> torch.Tensor:
@@ -563,5 +574,5 @@ def convert_once(src, blocks, held_in, splits: list[tuple[int, int]], directory:
     if len(splits) > 1:  # the scalars name the most common split
         counts = Counter(zip(mla_config.layer_rope_pairs, mla_config.layer_latent_dims))
         mla_config.rope_pairs, mla_config.latent_dim = counts.most_common(1)[0][0]
-        mla_config.d_kv = mla_config.latent_dim // n_kv
+        mla_config.d_kv = paper_d_kv(mla_config)
     return mla_config, loss

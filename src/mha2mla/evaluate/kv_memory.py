@@ -46,6 +46,7 @@ def kv_report(config, source_config=None, dtype_bytes: int = 2, original_config=
         original = kv_elements_per_token_per_layer(original_config)
         report["reduction_vs_original_pct"] = 100.0 * (1 - elements / original)
     if getattr(config, "model_type", None) == "mla":
+        report["d_kv"] = config.d_kv
         report["quantized"] = {
             str(bits): {
                 "kv_bytes_per_token": kv_bytes_per_token_per_layer(config, bits),

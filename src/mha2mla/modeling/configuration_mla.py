@@ -3,8 +3,13 @@
 The transformer around attention is the source family's (Llama, Mistral, Qwen2: RMSNorm, SwiGLU MLP,
 optional q/k/v bias, optional sliding window); its fields keep their source names. What MLA adds:
 
-* `d_kv`: latent width per KV head; the cached latent `c_kv` has `latent_dim` = n_kv·d_kv values
-  per token (`latent_dim` may be set directly when a KV budget is not a multiple of n_kv).
+* `d_kv`: the cache size in the paper's terms. A "per_head" model is the paper's layout and d_kv
+  is its latent width per KV head: `latent_dim` = n_kv·d_kv. A "shared" model is named by the
+  paper's default layout (d_h/16 RoPE pairs per KV head) that caches as many values:
+  n_kv·(d_kv + 2·d_h/16) = latent_dim + 2r, so d_kv only names its size (SmolLM2 at 72 values:
+  d_kv = 16, with a 56-wide latent and 16 RoPE dims). `latent_dim` follows from d_kv by these
+  equations unless given; a conversion gives both (d_kv may then be fractional, e.g. for budgets
+  that are not a multiple of n_kv, or the mean over layers of different widths).
 * `rope_pairs` (r): frequency pairs that keep RoPE per rope head; `kept_pairs[layer][rope_head]`
   lists them as indices into `rope_inv_freq` (the source's own frequencies, scaling included).
 * `rope_layout`: "per_head" (one RoPE key of 2r dims per KV head, the paper's partial RoPE) or
@@ -88,9 +93,11 @@ class MLAConfig(PretrainedConfig):
         self.rope_inv_freq = rope_inv_freq or [rope_theta ** (-2 * i / self.head_dim) for i in range(half)]
         self.rope_attention_scaling = rope_attention_scaling
         self.d_kv = d_kv
-        self.latent_dim = latent_dim or num_key_value_heads * d_kv
         self.rope_pairs = rope_pairs
         self.rope_layout = rope_layout
+        paper_pairs = max(1, self.head_dim // 16)
+        self.latent_dim = latent_dim or (num_key_value_heads * d_kv if rope_layout == "per_head" else
+                                         num_key_value_heads * (d_kv + 2 * paper_pairs) - 2 * rope_pairs)
         self.layer_rope_pairs = layer_rope_pairs
         self.layer_latent_dims = layer_latent_dims
         n_rope_heads = num_key_value_heads if rope_layout == "per_head" else 1
