@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
+from .atomic import save_atomically
 from .calibration import layer_stats, source_layer_step
 from .checkpoint import write_checkpoint_files
 from .data import calibration_blocks, default_train_text
@@ -51,7 +52,6 @@ from .modeling.modeling_mla import MLAAttention, MLADecoderLayer
 from .partial_rope import STRATEGIES, check_rope_pairs, select_pairs, split_dims
 from .refit import REFITS, refit_outputs
 from .rope_pca import pca_basis, query_rows
-from .atomic import save_atomically
 from .sources import head_dim_of, open_source
 from .weights import ShardWriter
 

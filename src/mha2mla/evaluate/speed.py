@@ -34,8 +34,8 @@ from ..errors import UserError
 from ..generate import check_fits_context, check_kv_bits, is_mla
 from ..modeling import LatentCache
 from ..modeling.latent_cache import kv_bytes_per_token_per_layer
-from .kv_memory import source_elements_per_token_per_layer
 from ..modeling.modeling_mla import CACHE_NAME
+from .kv_memory import source_elements_per_token_per_layer
 
 
 def cache_bytes(cache) -> int:
