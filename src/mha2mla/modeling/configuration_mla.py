@@ -18,6 +18,9 @@ optional q/k/v bias, optional sliding window); its fields keep their source name
   split each layer's budget on its own (None: every layer uses `rope_pairs` and `latent_dim`).
 * the position-free query/key part of a head has d_h − 2r dims ("per_head") or d_h ("shared").
 * `svd`: "joint" (K and V read the whole latent) or "split" (each reads its own half).
+* `latent_norm`: an RMSNorm (`kv_norm`, eps `latent_norm_eps`) on c_kv before it is cached, as
+  DeepSeek's `kv_a_layernorm`; a model made with it exports to the DeepSeek-V3 format exactly
+  (False in checkpoints made without it).
 * `kv_bits`: default bit width of the latent cache (16 = unquantized, 4 or 2 = packed integers with
   `kv_residual` recent tokens kept in full precision, groups of `kv_group_size` values).
 
@@ -65,6 +68,8 @@ class MLAConfig(PretrainedConfig):
         kv_bits=16,
         kv_residual=128,
         kv_group_size=32,
+        latent_norm=False,
+        latent_norm_eps=1e-6,
         source_model=None,
         source_family="llama",
         pad_token_id=None,
@@ -107,6 +112,8 @@ class MLAConfig(PretrainedConfig):
         self.kv_bits = kv_bits
         self.kv_residual = kv_residual
         self.kv_group_size = kv_group_size
+        self.latent_norm = latent_norm
+        self.latent_norm_eps = latent_norm_eps
         self.source_model = source_model
         self.source_family = source_family
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,

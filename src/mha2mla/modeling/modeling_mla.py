@@ -8,7 +8,7 @@ works where mha2mla is not installed. The blocks around attention are the source
 Attention of query head h (in KV group g, RoPE head ρ) for x_t, with H query heads, n_kv groups:
 
     q_t = q_proj x_t = [q_nope (d_nope) | q_rope (2r)]         per head
-    c_kv_t = kv_down x_t                                      n_kv·d_kv, cached
+    c_kv_t = kv_down x_t  (RMSNorm'd by kv_norm with config.latent_norm)   n_kv·d_kv, cached
     k_rope_t = RoPE(k_rope_proj x_t)                          2r per RoPE head, cached
     k_nope_t = k_up c_kv_t,  v_t = v_up c_kv_t                per KV group (never cached)
     score(t, s) = (q_nope,h · k_nope,g,s + RoPE(q_rope,h) · k_rope,ρ,s) / sqrt(d_h)
@@ -161,6 +161,7 @@ class MLAAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * (self.d_nope + self.d_rope), bias=bias)
         self.k_rope_proj = nn.Linear(config.hidden_size, self.n_rope * self.d_rope, bias=bias)
         self.kv_down = nn.Linear(config.hidden_size, latent, bias=False)
+        self.kv_norm = MLARMSNorm(latent, config.latent_norm_eps) if config.latent_norm else None
         self.k_up = nn.Linear(self.k_width, self.n_kv * self.d_nope, bias=bias)
         self.v_up = nn.Linear(self.v_width, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
@@ -189,7 +190,10 @@ class MLAAttention(nn.Module):
         k_rope = self.k_rope_proj(hidden_states).view(B, T, self.n_rope, self.d_rope).transpose(1, 2)
         cos, sin = self.rotary_emb(position_ids, q.dtype)
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
-        c_kv = self.kv_down(hidden_states).unsqueeze(1)                     # [B, 1, T, n_kv·d_kv]
+        c_kv = self.kv_down(hidden_states)
+        if self.kv_norm is not None:
+            c_kv = self.kv_norm(c_kv)
+        c_kv = c_kv.unsqueeze(1)                                            # [B, 1, T, n_kv·d_kv]
         if cache is not None:
             c_kv, k_rope = cache.update(c_kv, k_rope, self.layer_idx)      # now over all S tokens
         if (cache is not None and self.config._attn_implementation in SDPA_MASKS
