@@ -17,7 +17,8 @@ import time
 import torch
 
 from mha2mla import load_source
-from mha2mla.convert import convert_model, max_d_kv
+from mha2mla.convert import convert_model
+from mha2mla.rope_layout import layout_for
 from mha2mla.evaluate.perplexity import perplexity
 
 
@@ -39,7 +40,7 @@ def main() -> None:
         rows.append((label, d_kv, init, perplexity(mla, tok, windows=args.windows, progress=False)["ppl"], seconds))
         print(f"{label:>22} d_kv={d_kv:<4} {init:<10} ppl {rows[-1][3]:>10.1f}  {seconds:6.1f} s", flush=True)
 
-    run("partial RoPE only", max_d_kv(model.config, 4), "activation")
+    run("partial RoPE only", layout_for("2-norm", model.config).max_latent(4) // model.config.num_key_value_heads, "activation")
     for d_kv in map(int, args.d_kv.split(",")):
         for init in args.inits.split(","):
             run("MLA 2-norm", d_kv, init)

@@ -34,7 +34,8 @@ import torch
 from transformers import TrainerCallback
 
 from mha2mla import load_source
-from mha2mla.convert import AUTO_BALANCES, RECIPES, convert_model
+from mha2mla.budget import AUTO_BALANCES
+from mha2mla.convert import RECIPES, convert_model
 from mha2mla.evaluate.perplexity import perplexity
 from mha2mla.train import train
 

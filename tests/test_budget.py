@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import tiny_source
 
-from mha2mla.convert import convert_model, max_latent
+from mha2mla.convert import convert_model
+from mha2mla.rope_layout import layout_for
 from mha2mla.rope_pca import pca_basis
 
 TOL = 1e-4
@@ -39,7 +40,7 @@ def decode_steps(mla, ids, prefill: int):
 def test_pca_rotation_nothing_dropped_is_exact(family, n_kv, tokenizer, wiki_dir):
     src = tiny_source(family, vocab=49152, n_kv=n_kv)
     pairs = n_kv * src.config.head_dim // 2  # every component keeps RoPE
-    latent = max_latent(src.config, pairs, "pca")
+    latent = layout_for("pca", src.config).max_latent(pairs)
     mla, _ = convert_model((src, tokenizer), d_kv=latent // n_kv, rope_pairs=pairs, rope_strategy="pca",
                            freq_fold=1, calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32, progress=False)
     assert mla.config.rope_layout == "shared" and mla.config.n_rope_heads == 1
@@ -147,7 +148,7 @@ def test_layers_with_their_own_split_decode_exactly(layout):
 
 @pytest.mark.parametrize("strategy", ["pca", "2-norm"])
 def test_per_layer_split_meets_the_budget_in_every_layer(strategy, tokenizer, wiki_dir, tmp_path):
-    from mha2mla.convert import budget_candidates
+    from mha2mla.budget import budget_splits
     from mha2mla.evaluate.kv_memory import kv_size_of
 
     src = tiny_source("llama", vocab=49152, n_kv=2, layers=3)
@@ -156,7 +157,7 @@ def test_per_layer_split_meets_the_budget_in_every_layer(strategy, tokenizer, wi
                            per_layer_split=True, calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
                            progress=False)
     c = mla.config
-    options = budget_candidates(src.config, budget, strategy, fold=4)
+    options = budget_splits(src.config, budget, layout_for(strategy, src.config, fold=4))
     assert len(options) >= 2 and len(c.layer_rope_pairs) == len(c.layer_latent_dims) == 3
     assert all(split in options for split in zip(c.layer_rope_pairs, c.layer_latent_dims))
     assert [c.kv_elements_at(i) for i in range(3)] == [budget] * 3

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_source
 
-from mha2mla.convert import convert_model, max_d_kv
+from mha2mla.convert import convert_model
+from mha2mla.rope_layout import layout_for
 from mha2mla.expand import expand_to_mha
 
 TOL = 1e-4  # fp32, max abs logit difference
@@ -38,6 +39,11 @@ def convert_tiny(src, tokenizer, wiki_dir, **kw):
     kw.setdefault("rope_strategy", "2-norm")
     return convert_model((src, tokenizer), calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
                          progress=False, **kw)[0]
+
+
+def full_rank_d_kv(config, rope_pairs):
+    """The d_kv at which partial RoPE's latent keeps every position-free key row and value."""
+    return layout_for("2-norm", config).max_latent(rope_pairs) // config.num_key_value_heads
 
 
 def ids_for(seed=1, batch=2, length=24):
@@ -87,7 +93,7 @@ def masked_rope_reference(src, ids, kept_pairs):
 def test_full_rank_all_pairs_equals_source(name, init, tokenizer, wiki_dir):
     src = source(name)
     d_h = src.config.head_dim
-    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=d_h // 2, d_kv=max_d_kv(src.config, d_h // 2), init=init)
+    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=d_h // 2, d_kv=full_rank_d_kv(src.config, d_h // 2), init=init)
     ids = ids_for()
     diff = (mla(ids).logits - src(ids).logits).abs().max().item()
     assert diff <= TOL, diff
@@ -97,7 +103,7 @@ def test_full_rank_calibrated_on_the_source_equals_source(tokenizer, wiki_dir):
     """sequential=False: every layer calibrated (and re-fit) on the source model's own activations."""
     src = source("llama-gqa")
     d_h = src.config.head_dim
-    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=d_h // 2, d_kv=max_d_kv(src.config, d_h // 2),
+    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=d_h // 2, d_kv=full_rank_d_kv(src.config, d_h // 2),
                        sequential=False, refit="vo")
     ids = ids_for()
     diff = (mla(ids).logits - src(ids).logits).abs().max().item()
@@ -110,7 +116,7 @@ def test_full_rank_calibrated_on_the_source_equals_source(tokenizer, wiki_dir):
 def test_partial_rope_full_rank_equals_masked_reference(name, strategy, init, tokenizer, wiki_dir):
     src = source(name)
     mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=2, rope_strategy=strategy,
-                       d_kv=max_d_kv(src.config, 2), init=init, refit="none")  # the refit would pull towards the source
+                       d_kv=full_rank_d_kv(src.config, 2), init=init, refit="none")  # the refit would pull towards the source
     ids = ids_for()
     ref = masked_rope_reference(src, ids, mla.config.kept_pairs)
     diff = (mla(ids).logits - ref).abs().max().item()
@@ -130,14 +136,21 @@ def test_save_load_in_fresh_process_without_package(name, tokenizer, wiki_dir, t
         sys.modules["mha2mla"] = None  # the checkpoint must load without the package
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'mla')!r}, trust_remote_code=True)
         ids = torch.load({str(tmp_path / 'ids.pt')!r})
         torch.save(model(ids).logits, {str(tmp_path / 'logits.pt')!r})
         print(type(model).__module__)
+        # the tokenizer alone: no custom code, so no prompt and no warning
+        tokenizer = AutoTokenizer.from_pretrained({str(tmp_path / 'mla')!r}, subfolder="tokenizer")
+        print(tokenizer("hello world").input_ids)
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                         stdin=subprocess.DEVNULL)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "modeling_mla" in run.stdout
+    assert str(tokenizer("hello world").input_ids) in run.stdout
+    assert "custom code" not in run.stdout + run.stderr and "instantiate a model of type" not in run.stderr
     loaded = torch.load(tmp_path / "logits.pt")
     assert (loaded - mla(ids).logits).abs().max().item() == 0.0
     for f in ("configuration_mla.py", "modeling_mla.py", "latent_cache.py", "README.md", "tokenizer.json",

@@ -11,6 +11,9 @@ import json
 import sys
 
 from .errors import UserError
+from .convert import INITS, RECIPES
+from .refit import REFITS
+from .rope_layout import STRATEGIES
 
 
 def _emit(result: dict, as_json: bool, human) -> None:
@@ -32,7 +35,7 @@ def _print_kv(r: dict) -> None:
 
 
 def cmd_convert(args) -> None:
-    from .convert import RECIPES, convert_checkpoint
+    from .convert import convert_checkpoint
 
     recipe = RECIPES[args.recipe]
     config, _ = convert_checkpoint(
@@ -159,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert an MHA/GQA model to MLA")
     p.add_argument("source", help="HF directory, .gguf file, hub id, or smollm2-135m")
     p.add_argument("out", help="output directory (written atomically)")
-    p.add_argument("--recipe", default="default", choices=["default", "paper"],
+    p.add_argument("--recipe", default="default", choices=list(RECIPES),
                    help="default: RoPE concentration (pca, fold 4) + activation-aware SVD, the best measured; "
                         "paper: MHA2MLA's 2-norm partial RoPE + weight-only SVD")
     p.add_argument("--d-kv", type=int, default=16,
@@ -173,11 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-layer-split", action="store_true",
                    help="with a budget: each layer picks its own RoPE/latent split by its attention-output error "
                         "on the calibration text (instead of one split for all layers)")
-    p.add_argument("--rope-strategy", default=None, choices=["high", "low", "uniform", "2-norm", "pca"])
+    p.add_argument("--rope-strategy", default=None, choices=STRATEGIES,
+                   help="RoPE layout: pca = one RoPE key shared by all heads (RoPE concentration, default "
+                        "recipe); high, low, uniform, 2-norm = the paper's partial RoPE per KV head (paper: 2-norm)")
     p.add_argument("--freq-fold", type=int, default=None, help="pca: adjacent frequencies folded into one PCA")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])
-    p.add_argument("--init", default=None, choices=["weight", "activation", "output"])
-    p.add_argument("--refit", default=None, choices=["none", "v", "vo"],
+    p.add_argument("--init", default=None, choices=INITS)
+    p.add_argument("--refit", default=None, choices=REFITS,
                    help="re-fit v_up (v) and then o_proj (vo) to the source's attention output on the "
                         "calibration text (default recipe: vo; paper: none)")
     p.add_argument("--kv-balance", default="1.0",
