@@ -5,8 +5,10 @@ full-rank latent: exactly the masked-RoPE model), d_kv 8/16/32 × init weight/ac
 r=4: the paper's partial RoPE; no refit, so the inits are compared alone), activation with the value
 refit (--refit v) and with the value and o_proj refit (--refit vo), and the default recipe (RoPE
 concentration + refit vo) at the same cache sizes, with conversion wall time (calibration included).
+`--ablation` instead compares, at the first d_kv, the paper's other per-head strategies (high, low,
+uniform) and the split SVD against 2-norm with the joint one (activation init, refit vo).
 
-    python benchmarks/convert_quality.py [--windows 8] [--inits weight,activation,output]
+    python benchmarks/convert_quality.py [--windows 8] [--inits weight,activation,output] [--ablation]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--d-kv", default="8,16,32")
     parser.add_argument("--inits", default="weight,activation")
+    parser.add_argument("--ablation", action="store_true")
     args = parser.parse_args()
     print(f"torch threads: {torch.get_num_threads()}")
     model, tok = load_source("smollm2-135m")
@@ -40,13 +43,22 @@ def main() -> None:
         rows.append((label, d_kv, init, perplexity(mla, tok, windows=args.windows, progress=False)["ppl"], seconds))
         print(f"{label:>22} d_kv={d_kv:<4} {init:<10} ppl {rows[-1][3]:>10.1f}  {seconds:6.1f} s", flush=True)
 
-    run("partial RoPE only", layout_for("2-norm", model.config).max_latent(4) // model.config.num_key_value_heads, "activation")
-    for d_kv in map(int, args.d_kv.split(",")):
-        for init in args.inits.split(","):
-            run("MLA 2-norm", d_kv, init)
-        run("MLA 2-norm + v refit", d_kv, "activation", rope_pairs=4, rope_strategy="2-norm", refit="v")
-        run("MLA 2-norm + vo refit", d_kv, "activation", rope_pairs=4, rope_strategy="2-norm", refit="vo")
-        run("MLA default recipe", d_kv, "activation", rope_strategy="pca", freq_fold=4)
+    if args.ablation:
+        d_kv = int(args.d_kv.split(",")[0])
+        for strategy in ("2-norm", "high", "low", "uniform"):
+            run(f"MLA {strategy} + vo refit", d_kv, "activation", rope_pairs=4, rope_strategy=strategy, refit="vo")
+        run("MLA 2-norm + vo, svd split", d_kv, "activation", rope_pairs=4, rope_strategy="2-norm", refit="vo",
+            svd="split")
+        run("MLA default, svd split", d_kv, "activation", rope_strategy="pca", svd="split")
+    else:
+        full_rank = layout_for("2-norm", model.config).max_latent(4) // model.config.num_key_value_heads
+        run("partial RoPE only", full_rank, "activation")
+        for d_kv in map(int, args.d_kv.split(",")):
+            for init in args.inits.split(","):
+                run("MLA 2-norm", d_kv, init)
+            run("MLA 2-norm + v refit", d_kv, "activation", rope_pairs=4, rope_strategy="2-norm", refit="v")
+            run("MLA 2-norm + vo refit", d_kv, "activation", rope_pairs=4, rope_strategy="2-norm", refit="vo")
+            run("MLA default recipe", d_kv, "activation", rope_strategy="pca", freq_fold=4)
     print("\n| model | d_kv | init | ppl | conversion s |\n|---|---|---|---|---|")
     for label, d_kv, init, ppl, seconds in rows:
         print(f"| {label} | {d_kv} | {init} | {ppl:,.1f} | {seconds:.1f} |")

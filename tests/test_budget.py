@@ -217,3 +217,48 @@ def test_d_kv_names_the_cache_in_the_papers_terms():
     assert paper_d_kv(shared) == paper_d_kv(per_head) == 16
     uneven = MLAConfig(**smol, rope_layout="shared", rope_pairs=8, layer_rope_pairs=[8, 4], layer_latent_dims=[56, 66])
     assert paper_d_kv(uneven) == pytest.approx((72 + 74) / 2 / 3 - 8, abs=0.01)
+
+
+def test_allocate_widths_is_the_global_top_of_the_normalised_spectra():
+    from mha2mla.allocate import allocate_widths
+
+    flat = torch.full((8,), 1 / 8, dtype=torch.float64)               # every dim worth the same
+    steep = torch.tensor([0.6, 0.2, 0.1, 0.05, 0.05, 0, 0, 0], dtype=torch.float64)
+    assert allocate_widths([flat, steep], total=4, caps=[8, 8]) == [2, 2]   # 0.2, then 1/8 before 0.1
+    assert allocate_widths([flat, steep], total=8, caps=[8, 8]) == [6, 2]   # 0.2, then 0.125 × 5
+    assert allocate_widths([flat, steep], total=10, caps=[5, 8]) == [5, 5]  # the cap holds
+    assert allocate_widths([steep, steep], total=2, caps=[8, 8]) == [1, 1]  # at least one dim each
+    with pytest.raises(ValueError):
+        allocate_widths([flat, steep], total=17, caps=[8, 8])
+
+
+@pytest.mark.parametrize("strategy", ["pca", "2-norm"])
+def test_global_allocation_keeps_the_total_and_decodes_exactly(strategy, tokenizer, wiki_dir, tmp_path):
+    from mha2mla.evaluate.kv_memory import kv_size_of
+
+    src = tiny_source("llama", vocab=49152, n_kv=2, layers=3)
+    budget = 40
+    mla, _ = convert_model((src, tokenizer), tmp_path / "mla", kv_budget=budget, rope_strategy=strategy,
+                           allocate="global", calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
+                           progress=False)
+    c = mla.config
+    per_layer = [c.kv_elements_at(i) for i in range(3)]
+    assert sum(per_layer) == 3 * budget and len(set(c.layer_rope_pairs)) == 1
+    assert c.conversion["allocate"] == "global"
+    report = kv_size_of(tmp_path / "mla")
+    assert report["kv_elements_per_token_per_layer"] == budget
+    assert report["per_layer"] == {"min": min(per_layer), "mean": budget, "max": max(per_layer)}
+    ids = ids_for()
+    with torch.no_grad():
+        stepped, cache = decode_steps(mla, ids, 12)
+        assert (stepped - mla(ids).logits).abs().max().item() <= TOL
+    assert cache.numel() == 2 * 24 * sum(per_layer)
+
+
+def test_global_allocation_refuses_what_sets_widths_itself(tokenizer, wiki_dir, tmp_path):
+    from mha2mla.errors import UserError
+
+    src = tiny_source("llama", vocab=49152, n_kv=2, layers=2)
+    with pytest.raises(UserError, match="--allocate global"):
+        convert_model((src, tokenizer), tmp_path / "mla", kv_budget=40, allocate="global", per_layer_split=True,
+                      calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32, progress=False)

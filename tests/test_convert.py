@@ -112,7 +112,7 @@ def test_full_rank_calibrated_on_the_source_equals_source(tokenizer, wiki_dir):
 
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("strategy,init", [("2-norm", "activation"), ("uniform", "weight"), ("high", "output"),
-                                           ("low", "activation")])
+                                           ("low", "query")])
 def test_partial_rope_full_rank_equals_masked_reference(name, strategy, init, tokenizer, wiki_dir):
     src = source(name)
     mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=2, rope_strategy=strategy,

@@ -29,9 +29,22 @@ AUTO_BALANCES = (0.25, 1.0, 4.0)  # K/V balances β tried by --kv-balance auto
 @dataclass(frozen=True)
 class Candidate:
     """One conversion the search tries: the splits each layer may choose among (one: every layer
-    takes it; several: --per-layer-split) and the K/V balance β of the factorisation."""
+    takes it; several: --per-layer-split), the K/V balance β of the factorisation, and optionally
+    each layer's own latent width at the one split's r (global allocation, allocate)."""
     splits: tuple[tuple[int, int], ...]
     kv_balance: float
+    layer_latents: tuple[int, ...] | None = None
+
+    def options(self, layer: int) -> list[tuple[int, int]]:
+        """The (rope_pairs, latent_dim) splits layer `layer` may take."""
+        if self.layer_latents is not None:
+            return [(self.splits[0][0], self.layer_latents[layer])]
+        return list(self.splits)
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether layers may end up with different splits."""
+        return len(self.splits) > 1 or self.layer_latents is not None
 
 
 def budget_splits(config, budget: int, layout) -> list[tuple[int, int]]:
@@ -94,7 +107,7 @@ def search(candidates: list[Candidate], convert, directory: Path):
         if len(candidates) > 1:
             record = describe(config, candidate)
             tried.append({**record, "kv_balance": candidate.kv_balance, "held_in_loss": loss})
-            what = ("per layer" if len(candidate.splits) > 1
+            what = ("per layer" if candidate.per_layer
                     else f"rope dims {config.n_rope_heads * 2 * config.rope_pairs}, latent {config.latent_dim}")
             print(f"  candidate: {what}, K/V balance {candidate.kv_balance:g} → held-in loss {loss:.4f}",
                   file=sys.stderr)
@@ -113,7 +126,7 @@ def search(candidates: list[Candidate], convert, directory: Path):
 
 def describe(config, candidate: Candidate) -> dict:
     """The split a converted candidate has: per layer, or the one all layers share."""
-    if len(candidate.splits) > 1:
+    if candidate.per_layer:
         return {"rope_pairs": [config.rope_pairs_at(i) for i in range(config.num_hidden_layers)],
                 "latent_dim": [config.latent_dim_at(i) for i in range(config.num_hidden_layers)]}
     return {"rope_pairs": config.rope_pairs, "latent_dim": config.latent_dim}

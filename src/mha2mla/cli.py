@@ -11,7 +11,7 @@ import json
 import sys
 
 from .errors import UserError
-from .convert import INITS, RECIPES
+from .convert import ALLOCATIONS, INITS, RECIPES
 from .refit import REFITS
 from .rope_layout import STRATEGIES
 
@@ -27,6 +27,9 @@ def _print_kv(r: dict) -> None:
     print(f"KV cache per token per layer: {r['kv_elements_per_token_per_layer']} values, "
           f"{r['kv_bytes_per_token']} bytes (source {r['source_kv_bytes_per_token']} bytes), "
           f"reduction {r['reduction_pct']:.2f} %" + (f" (the paper's d_kv={r['d_kv']})" if "d_kv" in r else ""))
+    if "per_layer" in r:
+        p = r["per_layer"]
+        print(f"  per layer: min {p['min']}, mean {p['mean']:g}, max {p['max']} values")
     if "reduction_vs_original_pct" in r:
         print(f"reduction against the original (un-expanded) model: {r['reduction_vs_original_pct']:.2f} %")
     for bits, q in r.get("quantized", {}).items():
@@ -43,7 +46,8 @@ def cmd_convert(args) -> None:
         rope_strategy=args.rope_strategy or recipe["rope_strategy"], svd=args.svd,
         init=args.init or recipe["init"], sequential=recipe["sequential"], refit=args.refit or recipe["refit"],
         kv_budget=args.kv_budget, kv_reduction=args.kv_reduction, freq_fold=args.freq_fold or recipe["freq_fold"],
-        kv_balance=args.kv_balance, per_layer_split=args.per_layer_split, as_mha=args.as_mha,
+        kv_balance=args.kv_balance, per_layer_split=args.per_layer_split, allocate=args.allocate,
+        as_mha=args.as_mha,
         calib_data=args.calib_data, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
         dtype=args.dtype, device=args.device, overwrite=args.overwrite)
     report = dict(config.conversion)
@@ -176,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-layer-split", action="store_true",
                    help="with a budget: each layer picks its own RoPE/latent split by its attention-output error "
                         "on the calibration text (instead of one split for all layers)")
+    p.add_argument("--allocate", default="uniform", choices=ALLOCATIONS,
+                   help="global: spread the latent over the layers by their measured spectra (same total, "
+                        "widths differ by layer); uniform: every layer the same width")
     p.add_argument("--rope-strategy", default=None, choices=STRATEGIES,
                    help="RoPE layout: pca = one RoPE key shared by all heads (RoPE concentration, default "
                         "recipe); high, low, uniform, 2-norm = the paper's partial RoPE per KV head (paper: 2-norm)")

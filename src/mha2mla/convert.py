@@ -19,12 +19,12 @@ split(s) to convert, and the held-in search among several, is the budget module'
 
 from __future__ import annotations
 
-import copy
 import math
 import resource
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
+from .allocate import allocate_widths, layer_spectra
 from .atomic import save_atomically
 from .budget import HELD_IN_BLOCKS, Candidate, budget_splits, candidates_for, d_kv_split, kv_balances, search
 from .calibration import layer_stats, source_layer_step
@@ -40,15 +41,15 @@ from .data import calibration_blocks, default_train_text
 from .errors import UserError
 from .evaluate.kv_memory import kv_report, source_elements_per_token_per_layer
 from .expand import expanded_source
-from .lowrank import cholesky_factor, joint_factors, key_row_weight, value_row_weight
+from .lowrank import cholesky_factor, joint_factors, key_row_weight, same_energy, value_row_weight
 from .modeling import MLAConfig, MLAForCausalLM
 from .modeling.modeling_mla import MLAAttention, MLADecoderLayer
 from .refit import REFITS, refit_outputs
 from .rope_layout import PositionFree, layout_for
 from .sources import head_dim_of, open_source
-from .weights import ShardWriter
+from .weights import ShardWriter, load_module
 
-INITS = ("weight", "activation", "output")
+INITS = ("weight", "activation", "output", "query")
 # Named settings: `default` is the best measured on SmolLM2-135M (README; docs/experiments.md keeps
 # the measurements behind each choice); `paper` is the MHA2MLA paper's recipe.
 RECIPES = {
@@ -56,6 +57,7 @@ RECIPES = {
     "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False, refit="none"),
 }
 CALIB_BATCH = 4  # calibration blocks per forward pass
+ALLOCATIONS = ("uniform", "global")  # how a split's latent width is spread over the layers
 
 
 def check_output_dir(out, overwrite: bool) -> None:
@@ -113,19 +115,29 @@ def output_weights(src_attn, nope, stats, groups: int, d_h: int, kv_balance: flo
     return torch.block_diag(*s_k), torch.block_diag(*s_v)
 
 
+def row_weights(src_attn, position_free: PositionFree, stats, chol, init: str, kv_balance: float, groups: int,
+                d_h: int):
+    """Output-side weights (S_k, S_v) of the key and value rows for `init` (lowrank), or (None, None)
+    where both are the identity."""
+    n_k, n_v = position_free.weight.shape[0], src_attn.v_proj.weight.shape[0]
+    if init == "output":
+        return output_weights(src_attn, position_free.dims, stats, groups, d_h, kv_balance)
+    values = torch.eye(n_v, dtype=torch.float64) * kv_balance**0.5  # √β against the keys
+    if init == "query":
+        s_k = output_weights(src_attn, position_free.dims, stats, groups, d_h, kv_balance)[0]
+        return s_k * same_energy(s_k, position_free.weight, chol), values
+    return (torch.eye(n_k, dtype=torch.float64), values) if kv_balance != 1.0 else (None, None)
+
+
 @torch.no_grad()
 def factorise(src, dst, position_free: PositionFree, stats, latent: int, svd: str, init: str,
               kv_balance: float) -> None:
     """Stage 2 of a layer: the position-free key rows and W_v factored into kv_down, k_up, v_up;
     o_proj and the biases copied."""
-    w_k_nope, b_k_nope, nope = position_free
+    w_k_nope, b_k_nope, _ = position_free
     chol = cholesky_factor(stats.cov) if init != "weight" else None
-    k_weight = v_weight = None
-    if init == "output":
-        k_weight, v_weight = output_weights(src, nope, stats, dst.n_heads // dst.n_kv, dst.head_dim, kv_balance)
-    elif kv_balance != 1.0:  # value rows weighted √β against the key rows in the joint factorisation
-        k_weight = torch.eye(w_k_nope.shape[0], dtype=torch.float64)
-        v_weight = torch.eye(src.v_proj.weight.shape[0], dtype=torch.float64) * kv_balance**0.5
+    k_weight, v_weight = row_weights(src, position_free, stats, chol, init, kv_balance, dst.n_heads // dst.n_kv,
+                                     dst.head_dim)
     down, k_up, v_up = joint_factors(w_k_nope, src.v_proj.weight, latent, svd, chol, k_weight, v_weight)
     dst.kv_down.weight.copy_(down)
     dst.k_up.weight.copy_(k_up)
@@ -206,7 +218,8 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
                        rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
                        kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 4,
                        kv_balance: float | str = 1.0, sequential: bool = True, refit: str = "vo",
-                       per_layer_split: bool = False, as_mha: bool = False, calib_data=None,
+                       per_layer_split: bool = False, allocate: str = "uniform", as_mha: bool = False,
+                       calib_data=None,
                        calib_samples: int = 16, calib_seq_len: int = 512, dtype="float32", device=None,
                        overwrite: bool = False, progress: bool = True):
     """Convert `source` (path/alias/hub id or a (model, tokenizer) tuple) to an MLA checkpoint at `out`
@@ -228,7 +241,9 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     is one). `refit`: "v" re-fits v_up, "vo" v_up then o_proj, to the source's attention output
     (refit); "none" keeps the factorisation's own. `per_layer_split` (with a budget): every layer
     picks its own split among the budget's candidates, by the error of its attention output on the
-    calibration inputs (convert_once), instead of one split for all layers. `dtype`: the precision
+    calibration inputs (convert_once), instead of one split for all layers. `allocate`: "uniform"
+    gives every layer the split's latent width; "global" spreads the same total over the layers by
+    their measured spectra (allocate). `dtype`: the precision
     of the forward passes (statistics and factorisations are float64 whatever it is); the checkpoint
     keeps the source's storage dtype. `device`: where the layer being converted, the calibration
     hidden states and the factorisations live (default: a GPU when there is one, else the CPU).
@@ -260,6 +275,11 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
         validate(config, layout, latent, r, svd, init, refit)
     if per_layer_split and kv_budget is None:
         raise UserError("--per-layer-split needs a budget to split: add --kv-budget N or --kv-reduction P")
+    if allocate not in ALLOCATIONS:
+        raise UserError(f"unknown --allocate {allocate}: use one of {', '.join(ALLOCATIONS)}")
+    if allocate == "global" and (per_layer_split or svd == "split"):
+        raise UserError("--allocate global sets each layer's latent width itself: drop --per-layer-split and "
+                        "--svd split")
     candidates = candidates_for(splits, kv_balances(kv_balance), per_layer_split)
     n_held_in = HELD_IN_BLOCKS if len(candidates) > 1 else 0
     calib, held_in = calibration_blocks(src.tokenizer, calib_data or [default_train_text()], calib_seq_len,
@@ -267,6 +287,9 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     if len(held_in) < n_held_in:
         raise UserError(f"the budget search needs {n_held_in} more documents of at least {calib_seq_len} tokens "
                         f"after the calibration samples: add text or lower --calib-samples/--calib-seq-len")
+    if allocate == "global":
+        with torch.device(device):
+            candidates = globally_allocated(src, calib, layout, candidates, dtype)
     settings = dict(layout=layout, svd=svd, init=init, sequential=sequential, refit=refit, dtype=dtype,
                     progress=progress)
 
@@ -278,7 +301,7 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
         mla_config, chosen, tried = search(candidates, convert, tmp)
         mla_config.conversion = {
             "rope_strategy": rope_strategy, "init": init, "svd": svd, "freq_fold": freq_fold, "as_mha": as_mha,
-            "sequential": sequential, "refit": refit, "kv_balance": chosen.kv_balance,
+            "sequential": sequential, "refit": refit, "kv_balance": chosen.kv_balance, "allocate": allocate,
             "per_layer_split": per_layer_split, "calib_samples": len(calib), "calib_seq_len": calib_seq_len,
             "dtype": str(dtype).removeprefix("torch."), "device": str(device),
             "budget_candidates": tried, "seconds": time.perf_counter() - start,
@@ -294,6 +317,20 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     return result[0], src.tokenizer
 
 
+def globally_allocated(src, calib: torch.Tensor, layout, candidates: list[Candidate], dtype) -> list[Candidate]:
+    """The candidates with each layer's latent width allocated from the source's spectra at their r
+    (allocate), the total that of their uniform split."""
+    n_layers, spectra = src.config.num_hidden_layers, {}
+    allocated = []
+    for c in candidates:
+        r, latent = c.splits[0]
+        if r not in spectra:
+            spectra[r] = layer_spectra(src, calib, layout, r, dtype, CALIB_BATCH)
+        widths = allocate_widths(spectra[r], latent * n_layers, [layout.max_latent(r)] * n_layers)
+        allocated.append(replace(c, layer_latents=tuple(widths)))
+    return allocated
+
+
 @torch.no_grad()
 def attention_error(mla_attn, inputs: list[torch.Tensor], targets: list[torch.Tensor], causal: torch.Tensor,
                     position_ids: torch.Tensor) -> float:
@@ -305,19 +342,6 @@ def attention_error(mla_attn, inputs: list[torch.Tensor], targets: list[torch.Te
         err += (got - target).double().pow(2).sum().item()
         total += target.double().pow(2).sum().item()
     return err / total
-
-
-def load_module(reader, meta_module: torch.nn.Module, prefix: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A copy of a module of the meta-device skeleton, on the default device, with its tensors `prefix…`
-    read from the checkpoint."""
-    module = copy.deepcopy(meta_module).to_empty(device=torch.get_default_device()).to(dtype)
-    wanted, present = [prefix + n for n in module.state_dict()], reader.names()
-    missing = [n for n in wanted if n not in present]
-    if missing:
-        raise UserError(f"the source checkpoint lacks {missing[0]} (incomplete or not a {reader.config.model_type} "
-                        f"checkpoint)")
-    module.load_state_dict({n.removeprefix(prefix): reader.get(n) for n in wanted})
-    return module.eval()
 
 
 def next_token_loss(hidden: torch.Tensor, norm, lm_head: torch.Tensor, blocks: torch.Tensor) -> float:
@@ -335,20 +359,20 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
     Layer by layer: read the source layer, measure its calibration statistics, run the stages (RoPE
     layout → factorisation → refit), write it, let it go; the calibration hidden states (and the
     held-in blocks', when given, through the converted layers: the loss the budget search compares)
-    move on to the next layer. With one (rope_pairs, latent_dim) split in the candidate every layer
-    uses it; with several, each layer takes the split whose attention output is closest to the
-    source's on its calibration inputs (attention_error, before any refit), and the config lists the
-    split of every layer. Runs on the default device (torch.device context); the weights are written
+    move on to the next layer. Each layer takes the candidate's split for it (budget.Candidate.options);
+    where it may choose among several, the one whose attention output is closest to the source's on
+    its calibration inputs (attention_error, before any refit). Where layers may differ, the config
+    lists the split of every layer. Runs on the default device (torch.device context); the weights are written
     from the CPU."""
     config, reader = src.config, src.reader
     device = torch.get_default_device()
     blocks, held_in = blocks.to(device), held_in.to(device) if held_in is not None else None
-    n_layers, splits = config.num_hidden_layers, candidate.splits
+    n_layers = config.num_hidden_layers
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     rotary = type(skeleton.model.rotary_emb)(config=config)
     inv_freq = rotary.inv_freq.tolist()
-    rope_pairs, latent = splits[0]
+    rope_pairs, latent = candidate.splits[0]
     half = head_dim_of(config) // 2
     placeholder = [[[i % half for i in range(rope_pairs)]] * layout.n_rope_keys] * n_layers  # set per layer
     mla_config = mla_config_for(
@@ -377,7 +401,8 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
         choice = layout.choose(measured, r, inv_freq, seq)
         kept = layout.frequencies(choice)
         attn.set_rope_pairs(kept, inv_freq)
-        factorise(src_attn, attn, layout.fill(src_attn, attn, choice), stats, width, svd, init,
+        layout.fill(src_attn, attn, choice)
+        factorise(src_attn, attn, layout.position_free(src_attn, choice), stats, width, svd, init,
                   candidate.kv_balance)
         return attn, kept
 
@@ -387,11 +412,12 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
         stats = layer_stats(src_layer, hidden, config)
         measured = layout.measure(src_attn, stats)
         layer = MLADecoderLayer(mla_config, idx).to(dtype).eval()
-        if len(splits) == 1:
-            layer.self_attn, kept = attention(idx, src_attn, stats, measured, rope_pairs, latent)
+        options = candidate.options(idx)
+        if len(options) == 1:
+            layer.self_attn, kept = attention(idx, src_attn, stats, measured, *options[0])
         else:
             targets = [src_attn(x, position_embeddings=rope, attention_mask=causal)[0] for x in stats.inputs]
-            tried = [(split, *attention(idx, src_attn, stats, measured, *split)) for split in splits]
+            tried = [(split, *attention(idx, src_attn, stats, measured, *split)) for split in options]
             errors = [attention_error(attn, stats.inputs, targets, causal, position_ids) for _, attn, _ in tried]
             split, layer.self_attn, kept = tried[errors.index(min(errors))]
             mla_config.layer_rope_pairs[idx], mla_config.layer_latent_dims[idx] = split
@@ -424,7 +450,7 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
     if held is not None:
         loss = next_token_loss(held, norm, lm_head.weight.to(dtype), held_in)
     mla_config.kept_pairs = kept_all
-    if len(splits) == 1:
+    if not candidate.per_layer:
         mla_config.layer_rope_pairs = mla_config.layer_latent_dims = None
     else:  # the scalars name the most common split
         counts = Counter(zip(mla_config.layer_rope_pairs, mla_config.layer_latent_dims))

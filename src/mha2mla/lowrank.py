@@ -14,6 +14,12 @@ factorisation M ≈ U·W_down (ℓ = n_kv·d_kv) gives c_kv = W_down x, k_nope =
   error reaches the output through o_proj, so value rows are weighted by S_v = chol(Σ_{h∈g}
   W_o,hᵀ W_o,h)ᵀ · √β, β balancing the two. Then minimise ‖S (M − U W_down) L‖_F.
 
+* query-aware ("query"): the key rows weighted by S_k as above (the closed-form best rank-ℓ
+  approximation of the scores q·k on the calibration inputs, KQ-SVD's criterion), the value rows as
+  activation-aware, and S_k scaled so that ‖S_k M_k L‖_F = ‖M_k L‖_F: the keys keep the share of the
+  joint factorisation they have in the activation-aware one (S_k's own scale, set by the queries,
+  would otherwise decide how much of the latent goes to keys rather than values).
+
 `joint` factors M at rank ℓ; `split` factors W_k_nope and W_v separately at ℓ/2 each (their
 latents concatenated). All algebra in float64.
 """
@@ -105,6 +111,12 @@ def key_row_weight(w_q_nope: list[torch.Tensor], b_q_nope: list[torch.Tensor | N
     """S_k for one KV group from its query heads' NoPE rows: Σ_h E[q_h q_hᵀ] / d_h."""
     gram = sum(second_moment(w, b, cov, mean) for w, b in zip(w_q_nope, b_q_nope))
     return upper_factor(gram / head_dim)
+
+
+def same_energy(row_weight: torch.Tensor, rows: torch.Tensor, chol: torch.Tensor) -> float:
+    """The scale c with ‖c·S W L‖_F = ‖W L‖_F."""
+    plain = rows.double() @ chol
+    return float(plain.norm() / (row_weight @ plain).norm())
 
 
 def value_row_weight(w_o_heads: list[torch.Tensor]) -> torch.Tensor:

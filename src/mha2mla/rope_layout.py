@@ -10,8 +10,8 @@ A layout is one small interface (RopeLayout) with two implementations:
                   kept components.
 
 For one layer a layout `measure`s what it needs in the calibration statistics, `choose`s r pairs,
-and `fill`s the MLA attention's q_proj and k_rope_proj for that choice, returning the position-free
-key rows (PositionFree: weight, bias and, per KV group, the source dims they come from) that the
+`fill`s the MLA attention's q_proj and k_rope_proj for that choice, and gives the position-free key
+rows (`position_free`: weight, bias and, per KV group, the source dims they come from) that the
 low-rank stage factors with W_v. For the budget arithmetic and the config it says how many RoPE
 keys it caches (cache width = latent + n_rope_keys·2r), the range of r, the rank left to the latent,
 how many pairs a share of a budget buys, and the frequencies its choice rotates with.
@@ -58,7 +58,8 @@ class RopeLayout(Protocol):
     def measure(self, src_attn, stats): ...
     def choose(self, measured, rope_pairs: int, inv_freq: list[float], max_distance: int): ...
     def frequencies(self, choice) -> list[list[int]]: ...
-    def fill(self, src_attn, dst_attn, choice) -> PositionFree: ...
+    def fill(self, src_attn, dst_attn, choice) -> None: ...
+    def position_free(self, src_attn, choice) -> PositionFree: ...
 
 
 @dataclass(frozen=True)
@@ -111,19 +112,24 @@ class PerHeadRope:
     def frequencies(self, choice: list[list[int]]) -> list[list[int]]:
         return choice
 
-    def fill(self, src, dst, kept: list[list[int]]) -> PositionFree:
+    def fill(self, src, dst, kept: list[list[int]]) -> None:
+        """q_proj rows per head reordered to [NoPE dims | kept pairs]; k_rope_proj the kept rows of W_k."""
         n_heads, n_kv, d_h = self.shape.n_heads, self.shape.n_kv, self.shape.head_dim
         groups = n_heads // n_kv
         nope, rope = (list(x) for x in zip(*(split_dims(k, d_h) for k in kept)))
         q_dims = [nope[h // groups] + rope[h // groups] for h in range(n_heads)]
         dst.q_proj.weight.copy_(rows(src.q_proj.weight, n_heads, q_dims))
         dst.k_rope_proj.weight.copy_(rows(src.k_proj.weight, n_kv, rope))
-        b_k = src.k_proj.bias
-        if b_k is not None:
+        if src.k_proj.bias is not None:
             dst.q_proj.bias.copy_(rows(src.q_proj.bias, n_heads, q_dims))
-            dst.k_rope_proj.bias.copy_(rows(b_k, n_kv, rope))
-        return PositionFree(rows(src.k_proj.weight, n_kv, nope), None if b_k is None else rows(b_k, n_kv, nope),
-                            nope)
+            dst.k_rope_proj.bias.copy_(rows(src.k_proj.bias, n_kv, rope))
+
+    def position_free(self, src, kept: list[list[int]]) -> PositionFree:
+        """The rows of W_k (and b_k) at each head's dropped pairs."""
+        nope = [split_dims(k, self.shape.head_dim)[0] for k in kept]
+        b_k = src.k_proj.bias
+        return PositionFree(rows(src.k_proj.weight, self.shape.n_kv, nope),
+                            None if b_k is None else rows(b_k, self.shape.n_kv, nope), nope)
 
 
 @dataclass(frozen=True)
@@ -163,8 +169,8 @@ class SharedRope:
     def frequencies(self, basis) -> list[list[int]]:
         return [basis.freq_index]
 
-    def fill(self, src, dst, basis) -> PositionFree:
-        """q_proj = [q_h | R q_h] per head, k_rope_proj = R W_k; the position-free key (I − P) W_k."""
+    def fill(self, src, dst, basis) -> None:
+        """q_proj = [q_h | R q_h] per head, k_rope_proj = R W_k (and the biases alike)."""
         n_heads, n_kv, d_h = self.shape.n_heads, self.shape.n_kv, self.shape.head_dim
         groups = n_heads // n_kv
         w_q = src.q_proj.weight.view(n_heads, d_h, -1)
@@ -172,15 +178,20 @@ class SharedRope:
         dst.q_proj.weight.copy_(torch.cat([torch.cat([w_q[h].double(), query_rows(basis, w_q[h], h // groups, d_h)])
                                            for h in range(n_heads)]))
         dst.k_rope_proj.weight.copy_(torch.cat([basis.r_re @ w_k, basis.r_im @ w_k]))
-        keep_out = torch.eye(n_kv * d_h, dtype=torch.float64) - basis.projection()
         if b_k is not None:
             b_q = src.q_proj.bias.view(n_heads, d_h, 1)
             dst.q_proj.bias.copy_(torch.cat([torch.cat([b_q[h, :, 0].double(),
                                                         query_rows(basis, b_q[h], h // groups, d_h)[:, 0]])
                                              for h in range(n_heads)]))
             dst.k_rope_proj.bias.copy_(torch.cat([basis.r_re @ b_k.double(), basis.r_im @ b_k.double()]))
-            b_k = keep_out @ b_k.double()
-        return PositionFree(keep_out @ w_k, b_k, [list(range(d_h))] * n_kv)
+
+    def position_free(self, src, basis) -> PositionFree:
+        """(I − P) W_k and (I − P) b_k: every key dim, less its part on the kept components."""
+        n_kv, d_h = self.shape.n_kv, self.shape.head_dim
+        keep_out = torch.eye(n_kv * d_h, dtype=torch.float64) - basis.projection()
+        b_k = src.k_proj.bias
+        return PositionFree(keep_out @ src.k_proj.weight.double(), None if b_k is None else keep_out @ b_k.double(),
+                            [list(range(d_h))] * n_kv)
 
 
 def layout_for(strategy: str, config, fold: int = 4) -> RopeLayout:

@@ -11,6 +11,9 @@ them, writes the result and lets them go. The readers give Hugging Face paramete
                        (its name map and tensor processors, e.g. llama.cpp's q/k row order for Llama)
     StateDictReader    a model already in memory
 
+`load_module` fills a copy of one module of a meta-device model skeleton (a decoder layer, the
+embeddings) with its tensors from a reader: how the converter holds one source layer at a time.
+
 ShardWriter writes tensors as they come into safetensors shards of at most `max_shard_bytes` each,
 named and indexed as `save_pretrained` names them (model.safetensors alone, or
 model-0000i-of-0000n.safetensors + model.safetensors.index.json), so `from_pretrained` loads the
@@ -19,6 +22,7 @@ result as any other checkpoint. It holds at most one shard's worth of tensors.
 
 from __future__ import annotations
 
+import copy
 import json
 import mmap
 from collections import Counter
@@ -215,3 +219,16 @@ class ShardWriter:
             weight_map.update(dict.fromkeys(names, final))
         index = {"metadata": {"total_size": self._total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.directory / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def load_module(reader, meta_module: torch.nn.Module, prefix: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of a module of the meta-device skeleton, on the default device, with its tensors `prefix…`
+    read from the checkpoint."""
+    module = copy.deepcopy(meta_module).to_empty(device=torch.get_default_device()).to(dtype)
+    wanted, present = [prefix + n for n in module.state_dict()], reader.names()
+    missing = [n for n in wanted if n not in present]
+    if missing:
+        raise UserError(f"the source checkpoint lacks {missing[0]} (incomplete or not a {reader.config.model_type} "
+                        f"checkpoint)")
+    module.load_state_dict({n.removeprefix(prefix): reader.get(n) for n in wanted})
+    return module.eval()

@@ -47,6 +47,8 @@ def kv_report(config, source_config=None, dtype_bytes: int = 2, original_config=
         report["reduction_vs_original_pct"] = 100.0 * (1 - elements / original)
     if getattr(config, "model_type", None) == "mla":
         report["d_kv"] = config.d_kv
+        per_layer = [config.kv_elements_at(i) for i in range(config.num_hidden_layers)]
+        report["per_layer"] = {"min": min(per_layer), "mean": sum(per_layer) / len(per_layer), "max": max(per_layer)}
         report["quantized"] = {
             str(bits): {
                 "kv_bytes_per_token": kv_bytes_per_token_per_layer(config, bits),

@@ -1,0 +1,80 @@
+"""Global latent allocation: one total cache budget, latent widths that differ by layer.
+
+The uniform conversion gives every layer the same latent width ℓ. Layers differ in how much of their
+keys and values a rank-ℓ latent keeps, so the same total can be spent better. The activation-aware
+factorisation (lowrank) of layer i's M_i = [W_k_nope; W_v] at rank ℓ leaves the error
+
+    e_i(ℓ) = Σ_{j > ℓ} σ_ij² / Σ_j σ_ij²,     σ_ij the singular values of M_i L_i (C_i = L_i L_iᵀ),
+
+the share of the layer's key and value energy on its calibration activations that the latent drops.
+Each e_i is convex and decreasing in ℓ, so the greedy allocation of one latent dim at a time to the
+layer whose error drops most — the largest remaining normalised σ_ij² — is the global top-(n·ℓ) of
+all layers' normalised squared singular values (CARE's global criterion on this error), with every
+layer kept within [1, its available rank]. The total, and so the mean cache per layer, is exactly
+the uniform one's; the RoPE part (r pairs) stays the same in every layer.
+
+The spectra come from one streaming pass over the source (`layer_spectra`: each layer's statistics on
+the source's own hidden states, the RoPE layout's position-free rows at r, one SVD), before the
+conversion proper.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from .calibration import layer_stats, source_layer_step
+from .lowrank import cholesky_factor
+from .weights import load_module
+
+
+def normalised_spectrum(position_free_rows: torch.Tensor, values: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
+    """σ_j² / Σ σ² of [W_k_nope; W_v] L, descending."""
+    s = torch.linalg.svdvals(torch.cat([position_free_rows.double(), values.double()]) @ chol)
+    energy = s.pow(2)
+    return energy / energy.sum()
+
+
+def allocate_widths(spectra: list[torch.Tensor], total: int, caps: list[int]) -> list[int]:
+    """Latent width per layer: the `total` largest normalised squared singular values over all layers,
+    at least 1 and at most caps[i] in layer i."""
+    n = len(spectra)
+    if not n <= total <= sum(caps):
+        raise ValueError(f"cannot spread {total} latent dims over {n} layers of at most {caps}")
+    widths = [1] * n
+    gains = torch.cat([s[1:cap] for s, cap in zip(spectra, caps)])
+    owner = torch.cat([torch.full((max(cap - 1, 0),), i) for i, cap in enumerate(caps)])
+    for i in owner[gains.argsort(descending=True)[: total - n]].tolist():
+        widths[i] += 1
+    return widths
+
+
+@torch.no_grad()
+def layer_spectra(src, blocks: torch.Tensor, layout, rope_pairs: int, dtype: torch.dtype,
+                  batch: int) -> list[torch.Tensor]:
+    """Each layer's normalised spectrum for a latent after the RoPE layout at `rope_pairs`, measured on
+    the source's own hidden states (streaming: one source layer at a time, `batch` blocks per pass)."""
+    config, reader = src.config, src.reader
+    blocks = blocks.to(torch.get_default_device())
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    rotary = type(skeleton.model.rotary_emb)(config=config)
+    inv_freq = rotary.inv_freq.tolist()
+    seq = blocks.shape[1]
+    position_ids = torch.arange(seq)[None]
+    causal = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+    rope = rotary(torch.zeros(1, dtype=dtype), position_ids)
+    embed = load_module(reader, skeleton.model.embed_tokens, "model.embed_tokens.", reader.dtype)
+    hidden = [embed(blocks[i:i + batch]).to(dtype) for i in range(0, len(blocks), batch)]
+    del embed
+    spectra = []
+    for idx in range(config.num_hidden_layers):
+        layer = load_module(reader, skeleton.model.layers[idx], f"model.layers.{idx}.", dtype)
+        stats = layer_stats(layer, hidden, config)
+        choice = layout.choose(layout.measure(layer.self_attn, stats), rope_pairs, inv_freq, seq)
+        position_free = layout.position_free(layer.self_attn, choice)
+        spectra.append(normalised_spectrum(position_free.weight, layer.self_attn.v_proj.weight,
+                                           cholesky_factor(stats.cov)))
+        step = source_layer_step(layer, causal, position_ids, rope)
+        hidden = [step(h) for h in hidden]
+    return spectra
