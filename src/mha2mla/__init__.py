@@ -21,4 +21,11 @@ def convert(*args, **kwargs):
     return convert_model(*args, **kwargs)
 
 
-__all__ = ["load_source", "load_model", "convert", "MLAConfig", "MLAForCausalLM", "LatentCache"]
+def export(*args, **kwargs):
+    """Export an MLA model to another format (DeepSeek-V3); see `mha2mla.deepseek_format.export_checkpoint`."""
+    from .deepseek_format import export_checkpoint
+
+    return export_checkpoint(*args, **kwargs)
+
+
+__all__ = ["load_source", "load_model", "convert", "export", "MLAConfig", "MLAForCausalLM", "LatentCache"]

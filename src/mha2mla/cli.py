@@ -57,6 +57,26 @@ def cmd_convert(args) -> None:
                                               f"{r['process_peak_rss_mb']:.0f} MB")))
 
 
+def cmd_export(args) -> None:
+    from .deepseek_format import export_checkpoint
+
+    report = export_checkpoint(args.model, args.out, format=args.format, pad_for=args.pad_for,
+                               latent_norm=args.latent_norm, drop_query_bias=args.drop_query_bias,
+                               source=args.source, calib_data=args.calib_data, overwrite=args.overwrite)
+    _emit(report, args.json, _print_export)
+
+
+def _print_export(r: dict) -> None:
+    gap = r["logits_gap"]
+    print(f"wrote {r['out']} ({r['format']}: kv_lora_rank {r['kv_lora_rank']}, qk_rope_head_dim "
+          f"{r['qk_rope_head_dim']}, qk_nope_head_dim {r['qk_nope_head_dim']}, latent norm {r['latent_norm']})")
+    print(f"KV cache per token per layer: {r['kv_values_per_token_per_layer']} values (MLA model "
+          f"{r['mla_kv_values_per_token_per_layer']}, source {r['source_kv_values_per_token_per_layer']})")
+    print(f"logits gap to the MLA model: max {gap['max_abs']:.3g}, mean {gap['mean_abs']:.3g} (largest logit "
+          f"{gap['max_abs_logit']:.3g}), top-1 agreement {100 * gap['top1_agreement']:.2f} %"
+          + (" (query biases dropped)" if r["query_bias_dropped"] else ""))
+
+
 def cmd_eval_ppl(args) -> None:
     from .evaluate.perplexity import perplexity_of
 
@@ -207,6 +227,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("export", help="write an MLA model in another model format (DeepSeek-V3) for serving engines")
+    p.add_argument("model", help="MLA checkpoint directory")
+    p.add_argument("out", help="output directory (written atomically)")
+    p.add_argument("--format", default="deepseek-v3", choices=["deepseek-v3"])
+    p.add_argument("--pad-for", default=None, choices=["vllm"],
+                   help="pad to an engine's kernel shapes (vllm: kv_lora_rank 512, qk_rope_head_dim 64)")
+    p.add_argument("--latent-norm", default="near_linear", choices=["near_linear", "rms"],
+                   help="how a model converted without a latent norm gets DeepSeek's kv_a_layernorm (default "
+                        "near_linear: the latent scaled into the norm's near-linear range, the smaller gap measured)")
+    p.add_argument("--drop-query-bias", action="store_true",
+                   help="export a model with query biases (Qwen2) without them; the logits gap is printed")
+    p.add_argument("--source", default=None, help="the original model, read for its RoPE scaling parameters")
+    p.add_argument("--calib-data", nargs="+", default=None,
+                   help="text for the latent norm's statistics and the gap (default: Wikipedia shards)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("kv-size", help="KV-cache bytes per token per layer, against the source")
     p.add_argument("model")

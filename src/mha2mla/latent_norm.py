@@ -24,7 +24,8 @@ import torch
 from .modeling.modeling_mla import MLARMSNorm
 
 METHODS = ("near_linear", "rms")
-TOLERANCE = 1e-4   # near_linear: relative latent error at the largest calibration latent
+TOLERANCE = 1e-6   # near_linear: relative latent error at the largest calibration latent (measured: SmolLM2
+                   # logits within 2e-4 of the MLA model at 1e-6, 4e-3 at 1e-4, 4e-2 at 1e-3)
 EPS = 1e-6         # transformers' DeepseekV3 kv_a_layernorm has this eps (not the config's rms_norm_eps)
 
 

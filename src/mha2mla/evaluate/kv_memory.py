@@ -2,6 +2,9 @@
 
 MLA:    n_kv·d_kv + n_rope_heads·2r values per token per layer (c_kv + k_rope)
 source: 2·n_kv·d_h values per token per layer (K and V)
+DeepSeek-V3 (an `mha2mla export`): kv_lora_rank + qk_rope_head_dim values, the one vector per token
+per layer that transformers' cache and vLLM's MLA backends hold; compared against the source the
+export records (mha2mla_export), else against the MHA cache of the same heads, H·(d_qk + d_v).
 
 Bytes use the model's dtype (2 for bf16/fp16, 4 for fp32) unless told otherwise; the quantized
 rows use the packed int4/int2 layout of latent_cache (codes + fp16 scale/zero per group).
@@ -15,12 +18,18 @@ from ..sources import head_dim_of
 
 
 def source_elements_per_token_per_layer(config) -> int:
+    if getattr(config, "model_type", None) == "deepseek_v3":
+        export = getattr(config, "mha2mla_export", None) or {}
+        return export.get("source_kv_values_per_token_per_layer",
+                          config.num_attention_heads * (config.qk_head_dim + config.v_head_dim))
     return 2 * config.num_key_value_heads * head_dim_of(config)
 
 
 def kv_elements_per_token_per_layer(config) -> int:
     if getattr(config, "model_type", None) == "mla":
         return config.kv_elements_per_token_per_layer
+    if getattr(config, "model_type", None) == "deepseek_v3":
+        return config.kv_lora_rank + config.qk_rope_head_dim
     return source_elements_per_token_per_layer(config)
 
 

@@ -1,0 +1,380 @@
+"""Export an MLA model as a DeepSeek-V3 checkpoint: stock `DeepseekV3ForCausalLM`, vLLM, SGLang.
+
+DeepSeek-V3 attention without a query low-rank (q_lora_rank null), for query head h:
+
+    [q_nope,h (D_n) | q_pe,h (D_r)] = q_proj x
+    [c (L) | k_pe (D_r)] = kv_a_proj_with_mqa x,   ĉ = kv_a_layernorm(c)      cached: ĉ and RoPE(k_pe)
+    [k_nope,h (D_n) | v_h (d_v)] = kv_b_proj ĉ
+    score = s_DS · (q_nope,h · k_nope,h + RoPE(q_pe,h) · RoPE(k_pe)),   s_DS = (D_n + D_r)^-½ (× mscale² for yarn)
+
+RoPE there is one frequency ladder, slot i rotating by θ'^(−2i/D_r) (scaled as `rope_parameters` say),
+over interleaved pairs (`rope_interleave`: dims 2i, 2i+1), the layout vLLM's DeepSeek model hard-codes
+(`is_neox_style=False`). The MLA layer (modeling_mla) maps onto it as follows:
+
+* kv_a_proj_with_mqa = [kv_down, zero rows up to L; k_rope_proj's rows at their slots];
+* kv_b_proj, for query head h of KV group g: rows [k_up_g, zero rows up to D_n; v_up_g], on the latent
+  columns each reads; every query head gets its group's rows, so GQA costs nothing in the cache;
+* q_proj, per head: [q_nope, zero rows up to D_n; q_rope's rows at their slots], times s_MLA/s_DS
+  (and (a_MLA/a_DS)² on the RoPE rows, a being RoPE's attention factor) so every score is the MLA one;
+* v_up's bias passes through attention (probabilities sum to one) into o_proj's bias, o.bias + W_o·b_v;
+  k_up's bias adds a per-query constant to the scores, which softmax ignores; k_rope_proj's bias goes
+  to kv_a_proj_with_mqa's. DeepSeek's q_proj has no bias: a query bias is refused unless dropped on request.
+
+RoPE slots. Component j of RoPE head ρ rotates with source frequency k = kept_pairs[layer][ρ][j], i.e.
+θ^(−2k/d_h). With D_r = d_h/m and θ' = θ, slot i has the source frequency i·m, so component j goes
+to slot k/m whenever m divides every kept k: m = gcd(kept k's, d_h/2) gives the narrowest exact key.
+A fixed D_r (an engine's 64) uses m = d_h/D_r if that divides every k, else an m that does, with
+θ' = θ^(D_r·m/d_h). transformers' own DeepseekV3RotaryEmbedding then computes the exported
+frequencies, and they must equal the MLA model's (a RoPE scaling that is not a function of each
+frequency alone is refused). Two components at one frequency — a per_head layout whose KV heads each
+keep their own RoPE key — cannot share DeepSeek's one key: refused.
+
+Latent norm. A model with config.latent_norm maps exactly: zero padding from L_i to L lowers mean(c²)
+by L_i/L, undone by β = sqrt(L/L_i) on kv_down and 1/β on the norm weight (eps must be the 1e-6 of
+transformers' kv_a_layernorm; `rms_norm_eps` is set to it so that vLLM, which reads the latent norm's
+eps there, agrees; the hidden norms keep the source's eps through residual_scale). A
+model without one gets it by latent_norm.norm_parameters from calibration text ("near_linear" keeps the
+function to `latent_norm.TOLERANCE`), and the export measures what that costs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+from .atomic import save_atomically
+from .errors import UserError
+from .latent_norm import EPS, METHODS, latent_mean_squares, norm_parameters
+from .weights import ShardWriter
+
+FORMATS = ("deepseek-v3",)
+# Engine shapes (--pad-for): vLLM's MLA kernels take one head size, kv_lora_rank + qk_rope_head_dim = 576
+# (FlashMLA, CUTLASS MLA, FlashInfer MLA, CPU MLA: get_supported_head_sizes() == [576]).
+ENGINE_SHAPES = {"vllm": dict(kv_lora_rank=512, qk_rope_head_dim=64)}
+GAP_BLOCKS = 2  # held-in blocks the exported logits are compared on
+
+
+@dataclass
+class Shape:
+    """The exported attention shape and how the MLA rows land in it."""
+    kv_lora_rank: int      # L
+    nope: int              # D_n
+    rope: int              # D_r
+    stride: int            # m: component at source frequency k goes to slot k / m
+    theta: float           # θ'
+
+
+def kept_frequencies(config) -> list[list[int]]:
+    """Per layer, every kept source frequency index (all RoPE heads); a repeat is a UserError."""
+    layers = []
+    for i, heads in enumerate(config.kept_pairs):
+        flat = [k for head in heads for k in head]
+        if len(set(flat)) < len(flat):
+            raise UserError(f"layer {i} keeps RoPE on one frequency in several components ({config.rope_layout} "
+                            f"layout), which DeepSeek's single RoPE key cannot hold: convert with "
+                            f"--rope-strategy pca (one shared RoPE key) to export to DeepSeek-V3")
+        layers.append(flat)
+    return layers
+
+
+def rope_stride(kept: list[int], head_dim: int, rope_dim: int | None) -> tuple[int, int, float]:
+    """(D_r, m, p): slots k/m of a ladder of D_r dims with θ' = θ^p hold every kept frequency k."""
+    g = math.gcd(head_dim // 2, *kept)
+    if rope_dim is None:
+        return head_dim // g, g, 1.0
+    top = max(kept, default=0)
+    natural = head_dim // rope_dim
+    if head_dim % rope_dim == 0 and g % natural == 0 and top // natural < rope_dim // 2:
+        return rope_dim, natural, 1.0
+    for m in range(1, g + 1):
+        if g % m == 0 and top // m < rope_dim // 2:
+            return rope_dim, m, rope_dim * m / head_dim
+    raise UserError(f"the kept RoPE frequencies (up to index {top}) do not fit a {rope_dim}-dim DeepSeek RoPE key "
+                    f"(head_dim {head_dim}): export without --pad-for")
+
+
+def export_shape(config, pad_for: str | None) -> Shape:
+    engine = ENGINE_SHAPES[pad_for] if pad_for else {}
+    kept = [k for layer in kept_frequencies(config) for k in layer]
+    rope, stride, power = rope_stride(kept, config.head_dim, engine.get("qk_rope_head_dim"))
+    widest = max(config.latent_dim_at(i) for i in range(config.num_hidden_layers))
+    lora = engine.get("kv_lora_rank", widest)
+    if widest > lora:
+        raise UserError(f"the latent is {widest} wide, more than {pad_for}'s kv_lora_rank {lora}: export "
+                        f"without --pad-for or convert with a smaller --d-kv")
+    nope = max(config.d_nope_at(i) for i in range(config.num_hidden_layers))
+    return Shape(lora, nope, rope, stride, config.rope_theta**power)
+
+
+def source_rope_parameters(config, source) -> dict:
+    """The source's rope_parameters: from `source` (a model path) when given, else the default ladder of rope_theta."""
+    if source is not None:
+        params = getattr(AutoConfig.from_pretrained(source), "rope_parameters", None)
+        if params:
+            return dict(params)
+    return {"rope_type": "default", "rope_theta": config.rope_theta}
+
+
+def deepseek_config(config, shape: Shape, rope_parameters: dict, attention_bias: bool) -> DeepseekV3Config:
+    layers = config.num_hidden_layers
+    ds = DeepseekV3Config(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        moe_intermediate_size=config.intermediate_size, num_hidden_layers=layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_attention_heads,
+        first_k_dense_replace=layers, num_mtp_layers=0,
+        kv_lora_rank=shape.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=shape.rope,
+        qk_nope_head_dim=shape.nope, v_head_dim=config.head_dim, hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings, initializer_range=config.initializer_range,
+        rms_norm_eps=EPS, tie_word_embeddings=config.tie_word_embeddings,
+        rope_parameters={**rope_parameters, "rope_theta": shape.theta}, rope_interleave=True,
+        attention_bias=attention_bias, pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id)
+    ds.architectures = ["DeepseekV3ForCausalLM"]
+    return ds
+
+
+def check_rope(config, ds: DeepseekV3Config, shape: Shape) -> None:
+    """The exported ladder's frequencies at every used slot equal the MLA model's, or a UserError."""
+    rotary = DeepseekV3RotaryEmbedding(ds)
+    exported = rotary.inv_freq.double()
+    for layer in kept_frequencies(config):
+        for k in layer:
+            want, got = config.rope_inv_freq[k], float(exported[k // shape.stride])
+            if abs(got - want) > 1e-5 * want:
+                raise UserError(f"DeepSeek's RoPE ladder ({ds.rope_parameters['rope_type']}, θ={shape.theta:g}) gives "
+                                f"frequency {got:.6g} where the MLA model rotates with {want:.6g}: pass --source "
+                                f"with the original model, whose rope_parameters the MLA config does not keep")
+
+
+def score_scales(config, ds: DeepseekV3Config) -> tuple[float, float]:
+    """(on every query row, extra on the RoPE rows) so that DeepSeek's scores equal the MLA model's."""
+    with torch.device("meta"):
+        s_ds = DeepseekV3Attention(ds, 0).scaling
+    a_ds = DeepseekV3RotaryEmbedding(ds).attention_scaling
+    return config.head_dim**-0.5 / s_ds, (config.rope_attention_scaling / a_ds) ** 2
+
+
+def slots(kept_pairs: list[list[int]], stride: int) -> list[list[tuple[int, int]]]:
+    """Per RoPE head, (component j, slot k/m) of its kept frequencies."""
+    return [[(j, k // stride) for j, k in enumerate(head)] for head in kept_pairs]
+
+
+@torch.no_grad()
+def attention_tensors(attn, kept_pairs, shape: Shape, kv_down: torch.Tensor, norm_weight: torch.Tensor,
+                      q_scale: float, rope_scale: float, keep_biases: bool) -> dict[str, torch.Tensor]:
+    """The DeepSeek-V3 attention tensors of one MLA layer (float64), with the latent norm (kv_down, weight)."""
+    H, n_kv, n_rope, d_h = attn.n_heads, attn.n_kv, attn.n_rope, attn.head_dim
+    d_nope, r = attn.d_nope, attn.d_rope // 2
+    L, Dn, Dr = shape.kv_lora_rank, shape.nope, shape.rope
+    width, hidden = kv_down.shape
+    beta = math.sqrt(L / width)
+    place = slots(kept_pairs, shape.stride)
+
+    kv_a = kv_down.new_zeros(L + Dr, hidden, dtype=torch.float64)
+    kv_a[:width] = beta * kv_down.double()
+    w_kr = attn.k_rope_proj.weight.double().view(n_rope, 2 * r, hidden)
+    for rho, pairs in enumerate(place):
+        for j, s in pairs:
+            kv_a[L + 2 * s], kv_a[L + 2 * s + 1] = w_kr[rho, j], w_kr[rho, r + j]
+    norm = kv_a.new_zeros(L)
+    norm[:width] = norm_weight.double() / beta
+
+    w_uk = attn.k_up.weight.double().view(n_kv, d_nope, -1)
+    w_uv = attn.v_up.weight.double().view(n_kv, d_h, -1)
+    k_cols, v_cols = range(width)[attn.k_latent], range(width)[attn.v_latent]
+    kv_b = kv_a.new_zeros(H, Dn + d_h, L)
+    w_q = attn.q_proj.weight.double().view(H, d_nope + 2 * r, hidden)
+    q = kv_a.new_zeros(H, Dn + Dr, hidden)
+    q[:, :d_nope] = w_q[:, :d_nope] * q_scale
+    for h in range(H):
+        g = h // (H // n_kv)
+        kv_b[h, :d_nope, k_cols.start:k_cols.stop] = w_uk[g]
+        kv_b[h, Dn:, v_cols.start:v_cols.stop] = w_uv[g]
+        for j, s in place[h // (H // n_rope)]:
+            q[h, Dn + 2 * s] = w_q[h, d_nope + j] * q_scale * rope_scale
+            q[h, Dn + 2 * s + 1] = w_q[h, d_nope + r + j] * q_scale * rope_scale
+
+    tensors = {"q_proj.weight": q.view(-1, hidden), "kv_a_proj_with_mqa.weight": kv_a,
+               "kv_a_layernorm.weight": norm, "kv_b_proj.weight": kv_b.view(-1, L),
+               "o_proj.weight": attn.o_proj.weight.double()}
+    if keep_biases:
+        kv_a_bias = kv_a.new_zeros(L + Dr)
+        if attn.k_rope_proj.bias is not None:
+            b_kr = attn.k_rope_proj.bias.double().view(n_rope, 2 * r)
+            for rho, pairs in enumerate(place):
+                for j, s in pairs:
+                    kv_a_bias[L + 2 * s], kv_a_bias[L + 2 * s + 1] = b_kr[rho, j], b_kr[rho, r + j]
+        o_bias = (attn.o_proj.bias.double() if attn.o_proj.bias is not None
+                  else kv_a.new_zeros(attn.o_proj.out_features))
+        if attn.v_up.bias is not None:
+            b_v = attn.v_up.bias.double().view(n_kv, d_h).repeat_interleave(H // n_kv, dim=0).reshape(-1)
+            o_bias = o_bias + attn.o_proj.weight.double() @ b_v
+        tensors.update({"kv_a_proj_with_mqa.bias": kv_a_bias, "o_proj.bias": o_bias})
+    return tensors
+
+
+def has_query_bias(model) -> bool:
+    return any(layer.self_attn.q_proj.bias is not None and bool(layer.self_attn.q_proj.bias.any())
+               for layer in model.model.layers)
+
+
+@torch.no_grad()
+def attention_inputs(model, blocks: torch.Tensor) -> list[torch.Tensor]:
+    """What enters every layer's attention (after its input norm) over `blocks` [N, T] → per layer [N·T, hidden]."""
+    seen = [[] for _ in model.model.layers]
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda module, args, i=i: seen[i].append(args[0].reshape(-1, args[0].shape[-1]).float()))
+        for i, layer in enumerate(model.model.layers)]
+    try:
+        for block in blocks:
+            model(block[None].to(model.device), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [torch.cat(x) for x in seen]
+
+
+def latent_norms(model, inputs: list[torch.Tensor] | None, method: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (kv_down weight, norm weight): the model's own norm, or one made by `method` from `inputs`."""
+    result = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if attn.kv_norm is not None:
+            result.append((attn.kv_down.weight, attn.kv_norm.weight))
+            continue
+        alpha, weight = norm_parameters(latent_mean_squares(attn.kv_down.weight, inputs[i]), method)
+        result.append((alpha * attn.kv_down.weight.double(), torch.full((attn.kv_down.out_features,), weight)))
+    return result
+
+
+def check_exportable(config) -> None:
+    """What DeepSeek-V3 cannot hold, read from the config alone: a one-line UserError."""
+    if config.model_type != "mla":
+        raise UserError(f"not an MLA model (model_type {config.model_type}): convert it first, then export")
+    if config.sliding_window:
+        raise UserError(f"the model uses sliding-window attention ({config.sliding_window} tokens), which "
+                        f"DeepSeek-V3 does not have: it cannot be exported to this format")
+    if config.mlp_bias:
+        raise UserError("the model's MLP has biases, which DeepSeek-V3's MLP does not: it cannot be exported")
+    if config.latent_norm and config.latent_norm_eps != EPS:
+        raise UserError(f"the latent norm's eps is {config.latent_norm_eps}, DeepSeek-V3's kv_a_layernorm uses "
+                        f"{EPS}: convert with latent_norm_eps={EPS}")
+    kept_frequencies(config)
+
+
+def residual_scale(config) -> float:
+    """γ = sqrt(ε_DS/ε): the residual stream scaled by γ makes every hidden RMSNorm with eps ε_DS compute
+    what the source's did with ε, since γx / sqrt(γ² ms(x) + ε_DS) = x / sqrt(ms(x) + ε)."""
+    return math.sqrt(EPS / config.rms_norm_eps)
+
+
+def write_deepseek(model, tokenizer, ds: DeepseekV3Config, shape: Shape, norms, out: Path) -> None:
+    """config, tokenizer, generation config and weights (in the model's dtype) of the exported checkpoint.
+
+    The residual stream is scaled by γ (residual_scale): the embeddings and what o_proj and the MLP add
+    to it, and 1/γ on the final norm's weight where the LM head is the (scaled) embedding."""
+    config, dtype = model.config, model.dtype
+    q_scale, rope_scale = score_scales(config, ds)
+    gamma = residual_scale(config)
+    ds.dtype = dtype
+    ds.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    writer = ShardWriter(out)
+    writer.add("model.embed_tokens.weight", (gamma * model.model.embed_tokens.weight.double()).to(dtype))
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        kv_down, norm_weight = norms[i]
+        tensors = attention_tensors(layer.self_attn, config.kept_pairs[i], shape, kv_down, norm_weight,
+                                    q_scale, rope_scale, ds.attention_bias)
+        for name, tensor in tensors.items():
+            writer.add(f"{prefix}self_attn.{name}", (gamma * tensor if name.startswith("o_proj.") else tensor).to(dtype))
+        for name in ("gate_proj", "up_proj"):
+            writer.add(f"{prefix}mlp.{name}.weight", getattr(layer.mlp, name).weight.to(dtype))
+        writer.add(f"{prefix}mlp.down_proj.weight", (gamma * layer.mlp.down_proj.weight.double()).to(dtype))
+        writer.add_module(f"{prefix}input_layernorm.", layer.input_layernorm, dtype)
+        writer.add_module(f"{prefix}post_attention_layernorm.", layer.post_attention_layernorm, dtype)
+    final_norm = model.model.norm.weight.double() / (gamma if config.tie_word_embeddings else 1.0)
+    writer.add("model.norm.weight", final_norm.to(dtype))
+    if not config.tie_word_embeddings:
+        writer.add("lm_head.weight", model.lm_head.weight.to(dtype))
+    writer.close()
+
+
+@torch.no_grad()
+def logits_gap(model, exported, blocks: torch.Tensor) -> dict:
+    """How far the exported model's logits are from the MLA model's on `blocks` [N, T]."""
+    a = torch.cat([model(block[None].to(model.device), use_cache=False).logits[0].double() for block in blocks])
+    b = torch.cat([exported(block[None].to(model.device), use_cache=False).logits[0].double() for block in blocks])
+    return {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean()),
+            "max_abs_logit": float(a.abs().max()), "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
+
+
+def export_checkpoint(model_or_path, out, *, format: str = "deepseek-v3", pad_for: str | None = None,
+                      latent_norm: str = "near_linear", drop_query_bias: bool = False, source=None,
+                      calib_data=None, calib_samples: int = 4, calib_seq_len: int = 256,
+                      overwrite: bool = False) -> dict:
+    """Write the MLA model (a checkpoint path or an (MLAForCausalLM, tokenizer) pair) to `out` as a
+    DeepSeek-V3 checkpoint → a report: shapes, KV cache per token per layer (exported, MLA, source)
+    and the logits gap on held-in calibration text.
+
+    `pad_for`: an engine of ENGINE_SHAPES whose kernels need fixed widths. `latent_norm`: how a model
+    converted without a latent norm gets DeepSeek's (latent_norm.METHODS). `source`: the original
+    model, read for its rope_parameters when RoPE is scaled. `calib_data`: text for the latent norm's
+    statistics and the gap (default: the Wikipedia shards).
+    """
+    from .convert import check_output_dir
+    from .data import calibration_blocks, default_train_text, text_files
+    from .sources import load_model, read_config
+
+    if format not in FORMATS:
+        raise UserError(f"unknown export format '{format}' (supported: {', '.join(FORMATS)})")
+    if pad_for is not None and pad_for not in ENGINE_SHAPES:
+        raise UserError(f"unknown engine '{pad_for}' for --pad-for (supported: {', '.join(ENGINE_SHAPES)})")
+    if latent_norm not in METHODS:
+        raise UserError(f"unknown latent norm method '{latent_norm}' (one of {', '.join(METHODS)})")
+    check_output_dir(out, overwrite)
+    config = model_or_path[0].config if isinstance(model_or_path, tuple) else read_config(Path(model_or_path))
+    check_exportable(config)
+    shape = export_shape(config, pad_for)
+    ds = deepseek_config(config, shape, source_rope_parameters(config, source),
+                         config.attention_bias or config.o_proj_bias)
+    check_rope(config, ds, shape)
+    if pad_for == "vllm" and (ds.attention_bias or ds.rope_parameters["rope_type"] not in ("default", "yarn")):
+        raise UserError("vLLM's DeepSeek model has no attention biases and reads RoPE scaling as default or yarn "
+                        "only: this model cannot be served there (export without --pad-for for transformers)")
+    model, tokenizer = model_or_path if isinstance(model_or_path, tuple) else load_model(model_or_path)
+    if has_query_bias(model) and not drop_query_bias:
+        raise UserError("the model has query biases (q_proj.bias, as Qwen2), which DeepSeek-V3's q_proj lacks: "
+                        "pass --drop-query-bias to export without them (the logits gap is measured and printed)")
+
+    paths = text_files(calib_data) if calib_data else [default_train_text()]
+    calib, held_in = calibration_blocks(tokenizer, paths, calib_seq_len, calib_samples, GAP_BLOCKS)
+    inputs = attention_inputs(model, calib) if not config.latent_norm else None
+    norms = latent_norms(model, inputs, latent_norm)
+    report = {
+        "out": str(out), "format": format, "pad_for": pad_for, "source_model": config.source_model,
+        "latent_norm": "the model's own" if config.latent_norm else latent_norm,
+        "query_bias_dropped": has_query_bias(model),
+        "kv_lora_rank": shape.kv_lora_rank, "qk_rope_head_dim": shape.rope, "qk_nope_head_dim": shape.nope,
+        "rope_theta": shape.theta,
+        "kv_values_per_token_per_layer": shape.kv_lora_rank + shape.rope,
+        "mla_kv_values_per_token_per_layer": config.kv_elements_per_token_per_layer,
+        "source_kv_values_per_token_per_layer": 2 * config.num_key_value_heads * config.head_dim,
+    }
+
+    def write(tmp: Path) -> None:
+        write_deepseek(model, tokenizer, ds, shape, norms, tmp)
+        exported = DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=model.dtype).to(model.device).eval()
+        report["logits_gap"] = logits_gap(model, exported, held_in if len(held_in) else calib[:1])
+        ds.mha2mla_export = {k: v for k, v in report.items() if k != "out"}
+        ds.save_pretrained(tmp)
+
+    save_atomically(out, write)
+    return report
