@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
 from conftest import tiny_source
 from mha2mla.cli import main
 from mha2mla.convert import convert_model
-from mha2mla.deepseek_format import export_checkpoint
+from mha2mla.exports.deepseek_v3 import export_checkpoint
 from mha2mla.errors import UserError
 from mha2mla.latent_norm import add_latent_norm
 from test_latent_cache import tiny_mla

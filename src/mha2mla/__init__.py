@@ -22,8 +22,8 @@ def convert(*args, **kwargs):
 
 
 def export(*args, **kwargs):
-    """Export an MLA model to another format (DeepSeek-V3); see `mha2mla.deepseek_format.export_checkpoint`."""
-    from .deepseek_format import export_checkpoint
+    """Export an MLA model to another format (DeepSeek-V3); see `mha2mla.exports.deepseek_v3.export_checkpoint`."""
+    from .exports.deepseek_v3 import export_checkpoint
 
     return export_checkpoint(*args, **kwargs)
 

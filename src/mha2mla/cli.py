@@ -58,7 +58,7 @@ def cmd_convert(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from .deepseek_format import export_checkpoint
+    from .exports.deepseek_v3 import export_checkpoint
 
     report = export_checkpoint(args.model, args.out, format=args.format, pad_for=args.pad_for,
                                latent_norm=args.latent_norm, drop_query_bias=args.drop_query_bias,

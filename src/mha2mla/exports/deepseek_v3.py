@@ -44,13 +44,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
-from .atomic import save_atomically
-from .errors import UserError
-from .latent_norm import EPS, METHODS, latent_mean_squares, norm_parameters
-from .weights import ShardWriter
+from ..atomic import save_atomically
+from ..errors import UserError
+from ..latent_norm import EPS, METHODS, latent_mean_squares, norm_parameters
+from ..weights import ShardWriter
 
 FORMATS = ("deepseek-v3",)
 # Engine shapes (--pad-for): vLLM's MLA kernels take one head size, kv_lora_rank + qk_rope_head_dim = 576
@@ -112,12 +112,13 @@ def export_shape(config, pad_for: str | None) -> Shape:
 
 
 def source_rope_parameters(config, source) -> dict:
-    """The source's rope_parameters: from `source` (a model path) when given, else the default ladder of rope_theta."""
-    if source is not None:
-        params = getattr(AutoConfig.from_pretrained(source), "rope_parameters", None)
-        if params:
-            return dict(params)
-    return {"rope_type": "default", "rope_theta": config.rope_theta}
+    """The source's rope_parameters: the MLA config's own if it keeps them, else `source`'s (a model path or
+    alias) when given, else the default ladder of rope_theta (check_rope refuses it if that is wrong)."""
+    from ..sources import open_source
+
+    params = getattr(config, "rope_parameters", None) or (
+        getattr(open_source(source).config, "rope_parameters", None) if source is not None else None)
+    return dict(params) if params else {"rope_type": "default", "rope_theta": config.rope_theta}
 
 
 def deepseek_config(config, shape: Shape, rope_parameters: dict, attention_bias: bool) -> DeepseekV3Config:
@@ -329,9 +330,9 @@ def export_checkpoint(model_or_path, out, *, format: str = "deepseek-v3", pad_fo
     model, read for its rope_parameters when RoPE is scaled. `calib_data`: text for the latent norm's
     statistics and the gap (default: the Wikipedia shards).
     """
-    from .convert import check_output_dir
-    from .data import calibration_blocks, default_train_text, text_files
-    from .sources import load_model, read_config
+    from ..convert import check_output_dir
+    from ..data import calibration_blocks, default_train_text, text_files
+    from ..sources import load_model, read_config
 
     if format not in FORMATS:
         raise UserError(f"unknown export format '{format}' (supported: {', '.join(FORMATS)})")
