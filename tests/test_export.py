@@ -199,3 +199,22 @@ def test_smollm2_export_matches_the_mla_model(smollm2_pca, wiki_dir, tmp_path):
     want_logits, want_greedy = mla_run(model, new_tokens=12)
     assert (logits - want_logits).abs().max() < NEAR_LINEAR * want_logits.abs().max()
     assert greedy == want_greedy
+
+
+@torch.no_grad()
+def test_scaled_rope_is_carried_from_the_source(tokenizer, wiki_dir, tmp_path):
+    """Llama-3 RoPE scaling: the MLA config keeps the scaled frequencies, not the parameters; the export
+    refuses to guess them and takes them from the source."""
+    llama3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=64)
+    src = tiny_source("llama", vocab=49152, n_kv=2, rope_parameters=llama3)
+    src.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    model = convert_model((src, tokenizer), calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
+                          progress=False)[0]
+    with pytest.raises(UserError, match="--source"):
+        export_checkpoint((model, tokenizer), tmp_path / "a", calib_data=[wiki_dir], calib_seq_len=64)
+    report = export_checkpoint((model, tokenizer), tmp_path / "b", calib_data=[wiki_dir], calib_seq_len=64,
+                               source=tmp_path / "src")
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    assert report["logits_gap"]["max_abs"] < NEAR_LINEAR
