@@ -9,10 +9,10 @@ by `--kv-budget`) with
     query        query-aware key factorisation (--init query), uniform
     global+query both
 and for the paper's per-head partial RoPE (2-norm, r = d_h/16, refit vo) with activation-aware and
-query-aware keys (`--per-head`, at the first budget).
+query-aware keys (`--per-head activation,query`, at the first budget).
 
     python benchmarks/allocation.py [--model smollm2-135m] [--budgets 48,72,120] [--rows uniform,global]
-                                    [--per-head]
+                                    [--per-head activation,query]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--budgets", default="48,72,120")
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--per-head", action="store_true")
+    parser.add_argument("--per-head", default="", help="inits to run with per-head partial RoPE, e.g. activation,query")
     parser.add_argument("--windows", type=int, default=8)
     args = parser.parse_args()
     print(f"torch threads: {torch.get_num_threads()}; model {args.model}", flush=True)
@@ -65,7 +65,7 @@ def main() -> None:
         config = model.config
         pairs = max(1, (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) // 16)
         size = dict(d_kv=budgets[0] // config.num_key_value_heads - 2 * pairs, rope_pairs=pairs)
-        for init in ("activation", "query"):
+        for init in args.per_head.split(","):
             run(f"2-norm r={pairs}, {init}", budgets[0], rope_strategy="2-norm", init=init, size=size)
     print("\n| conversion | budget | ppl | held-in loss | conversion s | latent widths |\n|---|---|---|---|---|---|")
     for label, budget, ppl, held, seconds, widths in table:

@@ -197,3 +197,26 @@ def test_kv_size_matches_config(tokenizer, wiki_dir):
     kv = mla.config.conversion["kv"]
     assert kv["kv_elements_per_token_per_layer"] == 2 * (2 * 2 + 4)
     assert kv["reduction_pct"] == pytest.approx(100 * (1 - 16 / (2 * 2 * 16)))
+
+
+@pytest.mark.parametrize("method", ["near_linear", "rms"])
+def test_latent_norm_conversion_and_its_exact_export(method, tokenizer, wiki_dir, tmp_path):
+    """--latent-norm: every layer gets DeepSeek's latent RMSNorm as its last stage; near_linear keeps
+    the function (the plain conversion's logits), and the DeepSeek-V3 export of the result is exact."""
+    from mha2mla.exports.deepseek_v3 import export_checkpoint
+
+    src = source("llama-gqa")
+    plain = convert_tiny(src, tokenizer, wiki_dir, rope_strategy="pca", d_kv=8)
+    normed = convert_tiny(src, tokenizer, wiki_dir, rope_strategy="pca", d_kv=8, latent_norm=method,
+                          out=tmp_path / "mla")
+    assert normed.config.latent_norm and normed.config.conversion["latent_norm"] == method
+    assert all(layer.self_attn.kv_norm is not None for layer in normed.model.layers)
+    ids = ids_for()
+    with torch.no_grad():
+        gap = (normed(ids).logits - plain(ids).logits).abs().max().item()
+    if method == "near_linear":
+        assert gap <= 1e-3, gap
+    else:
+        assert gap > 1e-3  # the ordinary regime rescales every token's latent by median/own RMS
+    report = export_checkpoint(tmp_path / "mla", tmp_path / "ds", calib_data=[wiki_dir], calib_seq_len=64)
+    assert report["latent_norm"] == "the model's own" and report["logits_gap"]["max_abs"] < 1e-4

@@ -12,6 +12,7 @@ import sys
 
 from .errors import UserError
 from .convert import ALLOCATIONS, INITS, RECIPES
+from .latent_norm import METHODS as LATENT_NORMS
 from .refit import REFITS
 from .rope_layout import STRATEGIES
 
@@ -47,7 +48,7 @@ def cmd_convert(args) -> None:
         init=args.init or recipe["init"], sequential=recipe["sequential"], refit=args.refit or recipe["refit"],
         kv_budget=args.kv_budget, kv_reduction=args.kv_reduction, freq_fold=args.freq_fold or recipe["freq_fold"],
         kv_balance=args.kv_balance, per_layer_split=args.per_layer_split, allocate=args.allocate,
-        as_mha=args.as_mha,
+        latent_norm=args.latent_norm, as_mha=args.as_mha,
         calib_data=args.calib_data, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
         dtype=args.dtype, device=args.device, overwrite=args.overwrite)
     report = dict(config.conversion)
@@ -203,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allocate", default="uniform", choices=ALLOCATIONS,
                    help="global: spread the latent over the layers by their measured spectra (same total, "
                         "widths differ by layer); uniform: every layer the same width")
+    p.add_argument("--latent-norm", default=None, choices=LATENT_NORMS,
+                   help="give the MLA model DeepSeek's RMSNorm on the latent (kv_a_layernorm), keeping its "
+                        "function: near_linear (latent scaled into the norm's linear range) or rms; the "
+                        "DeepSeek-V3 export is then exact")
     p.add_argument("--rope-strategy", default=None, choices=STRATEGIES,
                    help="RoPE layout: pca = one RoPE key shared by all heads (RoPE concentration, default "
                         "recipe); high, low, uniform, 2-norm = the paper's partial RoPE per KV head (paper: 2-norm)")

@@ -7,7 +7,9 @@ For each layer, from calibration statistics of its inputs (calibration):
   2. factorisation (lowrank): those rows and all of W_v are factored into kv_down, k_up, v_up
      (`factorise`), weighted by the calibration activations unless `init` is "weight";
   3. refit (refit, optional): v_up and then o_proj re-fit by least squares to the source layer's
-     attention output on the calibration inputs.
+     attention output on the calibration inputs;
+  4. latent norm (latent_norm, optional): DeepSeek's RMSNorm on the cached latent, given without
+     changing the layer's function (for an exact DeepSeek-V3 export).
 Everything else (embeddings, norms, MLP, biases) is copied. With nothing dropped and full rank the
 MLA model computes exactly what the source does.
 
@@ -41,6 +43,9 @@ from .data import calibration_blocks, default_train_text
 from .errors import UserError
 from .evaluate.kv_memory import kv_report, source_elements_per_token_per_layer
 from .expand import expanded_source
+from .latent_norm import EPS as LATENT_NORM_EPS
+from .latent_norm import METHODS as LATENT_NORMS
+from .latent_norm import add_latent_norm
 from .lowrank import cholesky_factor, joint_factors, key_row_weight, same_energy, value_row_weight
 from .modeling import MLAConfig, MLAForCausalLM
 from .modeling.modeling_mla import MLAAttention, MLADecoderLayer
@@ -218,8 +223,8 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
                        rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
                        kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 4,
                        kv_balance: float | str = 1.0, sequential: bool = True, refit: str = "vo",
-                       per_layer_split: bool = False, allocate: str = "uniform", as_mha: bool = False,
-                       calib_data=None,
+                       per_layer_split: bool = False, allocate: str = "uniform", latent_norm: str | None = None,
+                       as_mha: bool = False, calib_data=None,
                        calib_samples: int = 16, calib_seq_len: int = 512, dtype="float32", device=None,
                        overwrite: bool = False, progress: bool = True):
     """Convert `source` (path/alias/hub id or a (model, tokenizer) tuple) to an MLA checkpoint at `out`
@@ -243,7 +248,9 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     picks its own split among the budget's candidates, by the error of its attention output on the
     calibration inputs (convert_once), instead of one split for all layers. `allocate`: "uniform"
     gives every layer the split's latent width; "global" spreads the same total over the layers by
-    their measured spectra (allocate). `dtype`: the precision
+    their measured spectra (allocate). `latent_norm` ("near_linear" or "rms", latent_norm.METHODS):
+    every layer gets DeepSeek's RMSNorm on the latent, keeping its function by that method, so that
+    fine-tuning happens with it and the DeepSeek-V3 export is exact. `dtype`: the precision
     of the forward passes (statistics and factorisations are float64 whatever it is); the checkpoint
     keeps the source's storage dtype. `device`: where the layer being converted, the calibration
     hidden states and the factorisations live (default: a GPU when there is one, else the CPU).
@@ -275,6 +282,8 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
         validate(config, layout, latent, r, svd, init, refit)
     if per_layer_split and kv_budget is None:
         raise UserError("--per-layer-split needs a budget to split: add --kv-budget N or --kv-reduction P")
+    if latent_norm is not None and latent_norm not in LATENT_NORMS:
+        raise UserError(f"unknown --latent-norm {latent_norm}: use one of {', '.join(LATENT_NORMS)}")
     if allocate not in ALLOCATIONS:
         raise UserError(f"unknown --allocate {allocate}: use one of {', '.join(ALLOCATIONS)}")
     if allocate == "global" and (per_layer_split or svd == "split"):
@@ -290,8 +299,8 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     if allocate == "global":
         with torch.device(device):
             candidates = globally_allocated(src, calib, layout, candidates, dtype)
-    settings = dict(layout=layout, svd=svd, init=init, sequential=sequential, refit=refit, dtype=dtype,
-                    progress=progress)
+    settings = dict(layout=layout, svd=svd, init=init, sequential=sequential, refit=refit, latent_norm=latent_norm,
+                    dtype=dtype, progress=progress)
 
     def convert(candidate: Candidate, directory: Path):
         with torch.device(device):  # every tensor the conversion makes, unless it says otherwise
@@ -302,6 +311,7 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
         mla_config.conversion = {
             "rope_strategy": rope_strategy, "init": init, "svd": svd, "freq_fold": freq_fold, "as_mha": as_mha,
             "sequential": sequential, "refit": refit, "kv_balance": chosen.kv_balance, "allocate": allocate,
+            "latent_norm": latent_norm,
             "per_layer_split": per_layer_split, "calib_samples": len(calib), "calib_seq_len": calib_seq_len,
             "dtype": str(dtype).removeprefix("torch."), "device": str(device),
             "budget_candidates": tried, "seconds": time.perf_counter() - start,
@@ -353,11 +363,11 @@ def next_token_loss(hidden: torch.Tensor, norm, lm_head: torch.Tensor, blocks: t
 
 @torch.no_grad()
 def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *, layout, svd: str, init: str,
-                 sequential: bool, refit: str, dtype: torch.dtype, progress: bool):
+                 sequential: bool, refit: str, latent_norm: str | None, dtype: torch.dtype, progress: bool):
     """One streaming conversion of `src` into `directory`'s weight shards → (MLAConfig, held-in loss).
 
     Layer by layer: read the source layer, measure its calibration statistics, run the stages (RoPE
-    layout → factorisation → refit), write it, let it go; the calibration hidden states (and the
+    layout → factorisation → refit → latent norm, when asked), write it, let it go; the calibration hidden states (and the
     held-in blocks', when given, through the converted layers: the loss the budget search compares)
     move on to the next layer. Each layer takes the candidate's split for it (budget.Candidate.options);
     where it may choose among several, the one whose attention output is closest to the source's on
@@ -423,15 +433,19 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
             mla_config.layer_rope_pairs[idx], mla_config.layer_latent_dims[idx] = split
             del tried, targets
         kept_all.append(kept)
+        attn_out = None
         if refit != "none":
             attn_out = refit_outputs(src_attn, layer.self_attn, stats.inputs, rope, causal, position_ids,
                                      o_proj=refit == "vo")
+        if latent_norm is not None:  # last: the refit reads kv_down x as the latent
+            add_latent_norm(layer.self_attn, torch.cat(stats.inputs), latent_norm)
+            attn_out = None
         copy_layer_rest(src_layer, layer)
         if not sequential:
             step = source_layer_step(src_layer, causal, position_ids, rope)
             hidden = [step(h) for h in stats.hidden]
         else:
-            if refit == "none":
+            if attn_out is None:
                 attn_out = [layer.self_attn(x, position_ids.expand(x.shape[0], -1), causal) for x in stats.inputs]
             hidden = [layer.after_attention(h, a) for h, a in zip(stats.hidden, attn_out)]
         if held is not None:
@@ -450,6 +464,8 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
     if held is not None:
         loss = next_token_loss(held, norm, lm_head.weight.to(dtype), held_in)
     mla_config.kept_pairs = kept_all
+    if latent_norm is not None:  # every layer has its kv_norm now
+        mla_config.latent_norm, mla_config.latent_norm_eps = True, LATENT_NORM_EPS
     if not candidate.per_layer:
         mla_config.layer_rope_pairs = mla_config.layer_latent_dims = None
     else:  # the scalars name the most common split
