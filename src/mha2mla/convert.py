@@ -284,6 +284,9 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
         raise UserError("--per-layer-split needs a budget to split: add --kv-budget N or --kv-reduction P")
     if latent_norm is not None and latent_norm not in LATENT_NORMS:
         raise UserError(f"unknown --latent-norm {latent_norm}: use one of {', '.join(LATENT_NORMS)}")
+    if latent_norm == "near_linear" and src.reader.dtype == torch.float16:
+        raise UserError("--latent-norm near_linear scales kv_down below float16's range and this checkpoint is "
+                        "stored in float16: use --latent-norm rms")
     if allocate not in ALLOCATIONS:
         raise UserError(f"unknown --allocate {allocate}: use one of {', '.join(ALLOCATIONS)}")
     if allocate == "global" and (per_layer_split or svd == "split"):
