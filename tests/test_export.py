@@ -153,7 +153,7 @@ def test_a_model_with_its_own_latent_norm_exports_exactly_with_padded_layers_and
         tokenizer, wiki_dir, tmp_path):
     """Per-layer latent widths (padded to one), random kept frequencies, a RoPE key padded to vLLM's 64."""
     model = tiny_mla(vocab_size=49152, rope_layout="shared", layer_latent_dims=[6, 11], rope_pairs=3,
-                     kept_pairs=[[[5, 0, 2]], [[7, 1, 3]]], latent_norm=True)
+                     kept_pairs=[[[5, 0, 2]], [[7, 1, 3]]], latent_norm=True, latent_norm_eps=[1e-6, 0.3])
     for layer in model.model.layers:
         layer.self_attn.kv_norm.weight.uniform_(0.5, 2.0)
     report = export_checkpoint((model, tokenizer), tmp_path / "ds", calib_data=[wiki_dir], calib_seq_len=64,
@@ -170,9 +170,8 @@ def test_add_latent_norm_then_export_is_exact(tiny_mla_model, tokenizer, wiki_di
     """The conversion option: a model given the norm (by the default method) exports with no further gap."""
     model = copy.deepcopy(tiny_mla_model)
     x = torch.randn(4, 32, model.config.hidden_size)
-    for layer in model.model.layers:
-        add_latent_norm(layer.self_attn, layer.input_layernorm(x))
-    model.config.latent_norm = True
+    eps = [add_latent_norm(layer.self_attn, layer.input_layernorm(x)) for layer in model.model.layers]
+    model.config.latent_norm, model.config.latent_norm_eps = True, eps
     report = export_checkpoint((model, tokenizer), tmp_path / "ds", calib_data=[wiki_dir], calib_seq_len=64)
     assert report["latent_norm"] == "the model's own" and report["logits_gap"]["max_abs"] < EXACT
 

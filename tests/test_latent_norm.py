@@ -69,6 +69,15 @@ def test_the_norm_is_applied_and_survives_save_and_load(tmp_path):
 
 
 @torch.no_grad()
+def test_one_eps_per_layer_is_kept(tmp_path):
+    model = normed(**VARIANTS["shared"], latent_norm_eps=[1e-6, 3.5])
+    assert [layer.self_attn.kv_norm.eps for layer in model.model.layers] == [1e-6, 3.5]
+    model.save_pretrained(tmp_path)
+    loaded = MLAForCausalLM.from_pretrained(tmp_path)
+    assert [layer.self_attn.kv_norm.eps for layer in loaded.model.layers] == [1e-6, 3.5]
+
+
+@torch.no_grad()
 def test_a_model_without_the_norm_has_no_norm_module():
     model = tiny_mla()
     assert not model.config.latent_norm
@@ -98,9 +107,10 @@ def test_add_latent_norm_keeps_the_layer_function(method, tol):
 
 def test_near_linear_error_is_the_stated_tolerance():
     ms = torch.tensor([0.5, 2.0, 8.0], dtype=torch.float64)
-    alpha, w = norm_parameters(ms, "near_linear", eps=1e-6, tolerance=1e-4)
-    c_scale = w * alpha / (alpha**2 * ms + 1e-6).sqrt()        # what the norm does to c, per token
+    eps, w = norm_parameters(ms, "near_linear", tolerance=1e-4)
+    c_scale = w / (ms + eps).sqrt()                             # what the norm does to c, per token
     assert float(1 - c_scale[-1]) == pytest.approx(1e-4, rel=1e-3)
+    assert w == pytest.approx(float(ms.max().sqrt()) * 70.71, rel=1e-3)   # natural scale: sqrt(max ms / 2e-4)
 
 
 def test_latent_mean_squares_is_per_token():

@@ -29,12 +29,13 @@ frequencies, and they must equal the MLA model's (a RoPE scaling that is not a f
 frequency alone is refused). Two components at one frequency — a per_head layout whose KV heads each
 keep their own RoPE key — cannot share DeepSeek's one key: refused.
 
-Latent norm. A model with config.latent_norm maps exactly: zero padding from L_i to L lowers mean(c²)
-by L_i/L, undone by β = sqrt(L/L_i) on kv_down and 1/β on the norm weight (eps must be the 1e-6 of
-transformers' kv_a_layernorm; `rms_norm_eps` is set to it so that vLLM, which reads the latent norm's
-eps there, agrees; the hidden norms keep the source's eps through residual_scale). A
-model without one gets it by latent_norm.norm_parameters from calibration text ("near_linear" keeps the
-function to `latent_norm.TOLERANCE`), and the export measures what that costs.
+Latent norm. A model with config.latent_norm maps exactly: its norm of eps ε becomes DeepSeek's of eps
+1e-6 (transformers' kv_a_layernorm) on α·kv_down, α = sqrt(1e-6/ε) (latent_norm.py), and zero padding
+from L_i to L lowers mean(c²) by L_i/L, undone by β = sqrt(L/L_i) on kv_down and 1/β on the weight.
+`rms_norm_eps` is set to 1e-6 too, since vLLM reads the latent norm's eps there; the hidden norms keep
+the source's eps through the residual stream's scale (residual_scale). A model without a latent norm
+gets one by latent_norm.norm_parameters from calibration text ("near_linear" keeps the function to
+latent_norm.TOLERANCE), and the export measures what that costs.
 """
 
 from __future__ import annotations
@@ -241,15 +242,17 @@ def attention_inputs(model, blocks: torch.Tensor) -> list[torch.Tensor]:
 
 
 def latent_norms(model, inputs: list[torch.Tensor] | None, method: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (kv_down weight, norm weight): the model's own norm, or one made by `method` from `inputs`."""
+    """Per layer (kv_down weight, norm weight) for a norm of DeepSeek's eps: the model's own latent norm, or
+    one made by `method` from `inputs`; a norm of eps ε becomes one of eps EPS on α·kv_down, α = sqrt(EPS/ε)."""
     result = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         if attn.kv_norm is not None:
-            result.append((attn.kv_down.weight, attn.kv_norm.weight))
-            continue
-        alpha, weight = norm_parameters(latent_mean_squares(attn.kv_down.weight, inputs[i]), method)
-        result.append((alpha * attn.kv_down.weight.double(), torch.full((attn.kv_down.out_features,), weight)))
+            eps, weight = attn.kv_norm.eps, attn.kv_norm.weight.double()
+        else:
+            eps, w = norm_parameters(latent_mean_squares(attn.kv_down.weight, inputs[i]), method)
+            weight = torch.full((attn.kv_down.out_features,), w, dtype=torch.float64)
+        result.append((math.sqrt(EPS / eps) * attn.kv_down.weight.double(), weight))
     return result
 
 
@@ -262,9 +265,6 @@ def check_exportable(config) -> None:
                         f"DeepSeek-V3 does not have: it cannot be exported to this format")
     if config.mlp_bias:
         raise UserError("the model's MLP has biases, which DeepSeek-V3's MLP does not: it cannot be exported")
-    if config.latent_norm and config.latent_norm_eps != EPS:
-        raise UserError(f"the latent norm's eps is {config.latent_norm_eps}, DeepSeek-V3's kv_a_layernorm uses "
-                        f"{EPS}: convert with latent_norm_eps={EPS}")
     kept_frequencies(config)
 
 

@@ -18,9 +18,10 @@ optional q/k/v bias, optional sliding window); its fields keep their source name
   split each layer's budget on its own (None: every layer uses `rope_pairs` and `latent_dim`).
 * the position-free query/key part of a head has d_h − 2r dims ("per_head") or d_h ("shared").
 * `svd`: "joint" (K and V read the whole latent) or "split" (each reads its own half).
-* `latent_norm`: an RMSNorm (`kv_norm`, eps `latent_norm_eps`) on c_kv before it is cached, as
-  DeepSeek's `kv_a_layernorm`; a model made with it exports to the DeepSeek-V3 format exactly
-  (False in checkpoints made without it).
+* `latent_norm`: an RMSNorm (`kv_norm`) on c_kv before it is cached, as DeepSeek's `kv_a_layernorm`;
+  a model made with it exports to the DeepSeek-V3 format exactly (False in checkpoints made without
+  it). `latent_norm_eps`: its eps, one number or one per layer (a large eps keeps the norm near-linear
+  at the latent's natural scale; see latent_norm.py).
 * `kv_bits`: default bit width of the latent cache (16 = unquantized, 4 or 2 = packed integers with
   `kv_residual` recent tokens kept in full precision, groups of `kv_group_size` values).
 
@@ -125,6 +126,10 @@ class MLAConfig(PretrainedConfig):
 
     def rope_pairs_at(self, layer: int) -> int:
         return self.layer_rope_pairs[layer] if self.layer_rope_pairs else self.rope_pairs
+
+    def latent_norm_eps_at(self, layer: int) -> float:
+        eps = self.latent_norm_eps
+        return eps[layer] if isinstance(eps, list) else eps
 
     def latent_dim_at(self, layer: int) -> int:
         return self.layer_latent_dims[layer] if self.layer_latent_dims else self.latent_dim

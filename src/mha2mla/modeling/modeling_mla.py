@@ -161,7 +161,7 @@ class MLAAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * (self.d_nope + self.d_rope), bias=bias)
         self.k_rope_proj = nn.Linear(config.hidden_size, self.n_rope * self.d_rope, bias=bias)
         self.kv_down = nn.Linear(config.hidden_size, latent, bias=False)
-        self.kv_norm = MLARMSNorm(latent, config.latent_norm_eps) if config.latent_norm else None
+        self.kv_norm = MLARMSNorm(latent, config.latent_norm_eps_at(layer_idx)) if config.latent_norm else None
         self.k_up = nn.Linear(self.k_width, self.n_kv * self.d_nope, bias=bias)
         self.v_up = nn.Linear(self.v_width, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
