@@ -43,7 +43,6 @@ from .data import calibration_blocks, default_train_text
 from .errors import UserError
 from .evaluate.kv_memory import kv_report, source_elements_per_token_per_layer
 from .expand import expanded_source
-from .latent_norm import EPS as LATENT_NORM_EPS
 from .latent_norm import METHODS as LATENT_NORMS
 from .latent_norm import add_latent_norm
 from .lowrank import cholesky_factor, joint_factors, key_row_weight, same_energy, value_row_weight
@@ -284,9 +283,6 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
         raise UserError("--per-layer-split needs a budget to split: add --kv-budget N or --kv-reduction P")
     if latent_norm is not None and latent_norm not in LATENT_NORMS:
         raise UserError(f"unknown --latent-norm {latent_norm}: use one of {', '.join(LATENT_NORMS)}")
-    if latent_norm == "near_linear" and src.reader.dtype == torch.float16:
-        raise UserError("--latent-norm near_linear scales kv_down below float16's range and this checkpoint is "
-                        "stored in float16: use --latent-norm rms")
     if allocate not in ALLOCATIONS:
         raise UserError(f"unknown --allocate {allocate}: use one of {', '.join(ALLOCATIONS)}")
     if allocate == "global" and (per_layer_split or svd == "split"):
@@ -394,7 +390,7 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
     mla_config.dtype = reader.dtype
     # every layer's split, set as each layer is converted (MLAAttention reads its widths from the config)
     mla_config.layer_rope_pairs, mla_config.layer_latent_dims = [rope_pairs] * n_layers, [latent] * n_layers
-    kept_all = []
+    kept_all, norm_eps = [], []
     seq = blocks.shape[1]
     position_ids = torch.arange(seq)[None]
     causal = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
@@ -441,7 +437,7 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
             attn_out = refit_outputs(src_attn, layer.self_attn, stats.inputs, rope, causal, position_ids,
                                      o_proj=refit == "vo")
         if latent_norm is not None:  # last: the refit reads kv_down x as the latent
-            add_latent_norm(layer.self_attn, torch.cat(stats.inputs), latent_norm)
+            norm_eps.append(add_latent_norm(layer.self_attn, torch.cat(stats.inputs), latent_norm))
             attn_out = None
         copy_layer_rest(src_layer, layer)
         if not sequential:
@@ -468,7 +464,7 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
         loss = next_token_loss(held, norm, lm_head.weight.to(dtype), held_in)
     mla_config.kept_pairs = kept_all
     if latent_norm is not None:  # every layer has its kv_norm now
-        mla_config.latent_norm, mla_config.latent_norm_eps = True, LATENT_NORM_EPS
+        mla_config.latent_norm, mla_config.latent_norm_eps = True, norm_eps
     if not candidate.per_layer:
         mla_config.layer_rope_pairs = mla_config.layer_latent_dims = None
     else:  # the scalars name the most common split
