@@ -217,3 +217,11 @@ def test_scaled_rope_is_carried_from_the_source(tokenizer, wiki_dir, tmp_path):
                                source=tmp_path / "src")
     assert json.loads((tmp_path / "b" / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
     assert report["logits_gap"]["max_abs"] < NEAR_LINEAR
+
+
+def test_export_prints_the_cache_size_and_the_gap(exported_tiny, capsys):
+    from mha2mla.cli import _print_export
+
+    _print_export(exported_tiny[1])
+    out = capsys.readouterr().out
+    assert "KV cache per token per layer" in out and "logits gap to the MLA model: max" in out
