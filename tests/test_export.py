@@ -225,3 +225,10 @@ def test_export_prints_the_cache_size_and_the_gap(exported_tiny, capsys):
     _print_export(exported_tiny[1])
     out = capsys.readouterr().out
     assert "KV cache per token per layer" in out and "logits gap to the MLA model: max" in out
+
+
+def test_load_model_opens_the_export_for_eval_and_generate(exported_tiny):
+    from mha2mla import load_model
+
+    model, _ = load_model(exported_tiny[0])
+    assert type(model) is DeepseekV3ForCausalLM

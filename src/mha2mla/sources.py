@@ -11,7 +11,8 @@ second load is fast.
 conversion streams from: the config, the tokenizer and a tensor reader (weights), never the model.
 
 Only families whose attention MHA2MLA can rewrite are accepted: Llama, Mistral and Qwen2 (separate
-q/k/v projections, RoPE, no QK-norm). `load_model` also opens converted MLA checkpoints.
+q/k/v projections, RoPE, no QK-norm). `load_model` also opens converted MLA checkpoints and their
+DeepSeek-V3 exports (so `eval` and `generate` take both).
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def with_pad_token(tokenizer):
 
 def _load_dir(path: Path, name: str | None = None, dtype=None):
     config = read_config(path)
-    if config.model_type != "mla":
+    if config.model_type not in ("mla", "deepseek_v3"):  # converted, or exported (mha2mla export)
         check_family(config)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
