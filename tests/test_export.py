@@ -178,12 +178,12 @@ def test_add_latent_norm_then_export_is_exact(tiny_mla_model, tokenizer, wiki_di
 
 @pytest.fixture(scope="module")
 def smollm2_pca(smollm2, wiki_dir):
-    """SmolLM2-135M's first 4 layers (its real weights, vocabulary and GQA heads; the whole model takes
+    """SmolLM2-135M's first 2 layers (its real weights, vocabulary and GQA heads; the whole model takes
     minutes to convert) converted with a shared RoPE key (pca, r = 8, d_kv = 16), little calibration."""
     model, tokenizer = smollm2
     head = copy.deepcopy(model)
-    head.model.layers = head.model.layers[:4]
-    head.config.num_hidden_layers = 4
+    head.model.layers = head.model.layers[:2]
+    head.config.num_hidden_layers = 2
     return convert_model((head, tokenizer), d_kv=16, rope_pairs=8, init="weight", refit="none",
                          calib_data=[wiki_dir], calib_samples=2, calib_seq_len=64, progress=False)
 
