@@ -107,8 +107,10 @@ def search(candidates: list[Candidate], convert, directory: Path):
         if len(candidates) > 1:
             record = describe(config, candidate)
             tried.append({**record, "kv_balance": candidate.kv_balance, "held_in_loss": loss})
-            what = ("per layer" if candidate.per_layer
-                    else f"rope dims {config.n_rope_heads * 2 * config.rope_pairs}, latent {config.latent_dim}")
+            rope = config.n_rope_heads * 2 * config.rope_pairs
+            what = (f"rope dims {rope}, latent {min(candidate.layer_latents)}–{max(candidate.layer_latents)} by layer"
+                    if candidate.layer_latents else "per layer" if candidate.per_layer
+                    else f"rope dims {rope}, latent {config.latent_dim}")
             print(f"  candidate: {what}, K/V balance {candidate.kv_balance:g} → held-in loss {loss:.4f}",
                   file=sys.stderr)
         if best is None or loss < best[0]:
