@@ -232,3 +232,9 @@ def test_load_model_opens_the_export_for_eval_and_generate(exported_tiny):
 
     model, _ = load_model(exported_tiny[0])
     assert type(model) is DeepseekV3ForCausalLM
+
+
+def test_vllm_padding_refuses_what_vllm_cannot_run(tokenizer, wiki_dir, tmp_path):
+    model = tiny_mla(vocab_size=49152, rope_layout="shared", attention_bias=True)
+    with pytest.raises(UserError, match="vLLM"):
+        export_checkpoint((model, tokenizer), tmp_path / "ds", calib_data=[wiki_dir], pad_for="vllm")

@@ -268,6 +268,14 @@ def check_exportable(config) -> None:
     kept_frequencies(config)
 
 
+def check_engine(ds: DeepseekV3Config, pad_for: str | None) -> None:
+    """What the engine padded for cannot run: vLLM's DeepSeek model has no attention biases and reads a
+    non-default RoPE type as yarn (deepseek_v2.py), so it would compute another function."""
+    if pad_for == "vllm" and (ds.attention_bias or ds.rope_parameters["rope_type"] not in ("default", "yarn")):
+        raise UserError("vLLM's DeepSeek model has no attention biases and reads RoPE scaling as default or yarn "
+                        "only: this model cannot be served there (export without --pad-for for transformers)")
+
+
 def residual_scale(config) -> float:
     """γ = sqrt(ε_DS/ε): the residual stream scaled by γ makes every hidden RMSNorm with eps ε_DS compute
     what the source's did with ε, since γx / sqrt(γ² ms(x) + ε_DS) = x / sqrt(ms(x) + ε)."""
@@ -347,9 +355,7 @@ def export_checkpoint(model_or_path, out, *, format: str = "deepseek-v3", pad_fo
     ds = deepseek_config(config, shape, source_rope_parameters(config, source),
                          config.attention_bias or config.o_proj_bias)
     check_rope(config, ds, shape)
-    if pad_for == "vllm" and (ds.attention_bias or ds.rope_parameters["rope_type"] not in ("default", "yarn")):
-        raise UserError("vLLM's DeepSeek model has no attention biases and reads RoPE scaling as default or yarn "
-                        "only: this model cannot be served there (export without --pad-for for transformers)")
+    check_engine(ds, pad_for)
     model, tokenizer = model_or_path if isinstance(model_or_path, tuple) else load_model(model_or_path)
     if has_query_bias(model) and not drop_query_bias:
         raise UserError("the model has query biases (q_proj.bias, as Qwen2), which DeepSeek-V3's q_proj lacks: "
