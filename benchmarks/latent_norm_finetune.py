@@ -2,12 +2,12 @@
 
 The MLA model (SmolLM2-135M, default recipe at 72 values, `--mla`) is given a latent norm by
 `latent_norm.add_latent_norm` on each layer, from its attention inputs over 4 × 256 calibration
-tokens: "near_linear" (an eps large enough that the norm is near-linear at the latent's natural scale)
-and "rms" (eps 1e-6, weight = the median latent RMS), against the model without one. Each variant is perplexity-scored (WikiText-2
-raw test, `--windows` × 1024), fine-tuned `--steps` steps by mha2mla.train (2 × 256 tokens per
-step, lr 1e-4, the Wikipedia shards) and scored again; then exported to DeepSeek-V3 (a variant with
-a norm exactly; the one without by the near-linear method), with the logits gap `export` measures.
-Prints, never asserts.
+tokens: "near_linear" (an eps large enough that the norm is near-linear at the latent's natural
+scale) and "rms" (eps 1e-6, weight = the median latent RMS), against the model without one. Each
+variant is perplexity-scored (WikiText-2 raw test, `--windows` × 1024), fine-tuned `--steps` steps by
+mha2mla.train (2 × 256 tokens per step, lr 1e-4, the Wikipedia shards) and scored again; then exported
+to DeepSeek-V3 (a variant with a norm exactly; the one without by the near-linear method), with the
+logits gap `export` measures. Prints, never asserts.
 
     python benchmarks/latent_norm_finetune.py [--mla out/smollm2-b72] [--out out/latent-norm] [--steps 50]
 """
@@ -64,8 +64,8 @@ def main() -> None:
 
     print(f"MLA model {args.mla}; WikiText-2 raw test, {args.windows} × 1024 tokens; fine-tune {args.steps} steps "
           f"of 2 × 256 tokens (lr 1e-4, Wikipedia shards)")
-    print("| latent norm | ppl before | ppl after fine-tune | final loss | export's latent norm | export max logits gap "
-          "| export top-1 agreement |")
+    print("| latent norm | ppl before | ppl after fine-tune | final loss | export's latent norm "
+          "| export max logits gap | export top-1 agreement |")
     print("|---|---:|---:|---:|---|---:|---:|")
     for variant, before, after, loss, norm, worst, agree in rows:
         print(f"| {variant} | {before:.3f} | {after:.3f} | {loss:.4f} | {norm} | {worst:.2e} | {100 * agree:.2f} % |")

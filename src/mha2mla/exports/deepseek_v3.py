@@ -303,7 +303,8 @@ def write_deepseek(model, tokenizer, ds: DeepseekV3Config, shape: Shape, norms, 
         tensors = attention_tensors(layer.self_attn, config.kept_pairs[i], shape, kv_down, norm_weight,
                                     q_scale, rope_scale, ds.attention_bias)
         for name, tensor in tensors.items():
-            writer.add(f"{prefix}self_attn.{name}", (gamma * tensor if name.startswith("o_proj.") else tensor).to(dtype))
+            residual = name.startswith("o_proj.")          # what attention adds to the residual stream
+            writer.add(f"{prefix}self_attn.{name}", (gamma * tensor if residual else tensor).to(dtype))
         for name in ("gate_proj", "up_proj"):
             writer.add(f"{prefix}mlp.{name}.weight", getattr(layer.mlp, name).weight.to(dtype))
         writer.add(f"{prefix}mlp.down_proj.weight", (gamma * layer.mlp.down_proj.weight.double()).to(dtype))
@@ -322,7 +323,8 @@ def logits_gap(model, exported, blocks: torch.Tensor) -> dict:
     a = torch.cat([model(block[None].to(model.device), use_cache=False).logits[0].double() for block in blocks])
     b = torch.cat([exported(block[None].to(model.device), use_cache=False).logits[0].double() for block in blocks])
     return {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean()),
-            "max_abs_logit": float(a.abs().max()), "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
+            "max_abs_logit": float(a.abs().max()),
+            "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
 
 
 def export_checkpoint(model_or_path, out, *, format: str = "deepseek-v3", pad_for: str | None = None,
