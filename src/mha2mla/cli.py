@@ -239,9 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="deepseek-v3", choices=["deepseek-v3"])
     p.add_argument("--pad-for", default=None, choices=["vllm"],
                    help="pad to an engine's kernel shapes (vllm: kv_lora_rank 512, qk_rope_head_dim 64)")
-    p.add_argument("--latent-norm", default="near_linear", choices=["near_linear", "rms"],
+    p.add_argument("--latent-norm", default="near_linear", choices=LATENT_NORMS,
                    help="how a model converted without a latent norm gets DeepSeek's kv_a_layernorm (default "
-                        "near_linear: the latent scaled into the norm's near-linear range, the smaller gap measured)")
+                        "near_linear: the norm kept in its near-linear range, the smaller gap measured)")
     p.add_argument("--drop-query-bias", action="store_true",
                    help="export a model with query biases (Qwen2) without them; the logits gap is printed")
     p.add_argument("--source", default=None, help="the original model, read for its RoPE scaling parameters")
