@@ -8,7 +8,8 @@ near-linear latent norm (the default), the median-RMS norm, and the near-linear 
 Reported per model: WikiText-2 raw test perplexity over `--windows` windows of 1024 tokens, the
 largest and mean absolute logit difference to the float32 MLA model and the top-1 agreement on the
 first window (float32; for the default export also loaded in bfloat16, beside the MLA model's own
-bfloat16 difference), and the cache per token per layer. Prints, never asserts.
+bfloat16 difference), how many of 32 greedy `generate()` tokens after the window's first 64 equal the
+MLA model's, and the cache per token per layer. Prints, never asserts.
 
     python benchmarks/export_check.py [--mla out/smollm2-b72] [--out out/export-check] [--windows 8]
 """
@@ -35,6 +36,15 @@ EXPORTS = {  # directory under --out → (row name, export_checkpoint settings)
     "rms": ("DeepSeek-V3, median-RMS latent norm", dict(latent_norm="rms")),
     "vllm": ("DeepSeek-V3, near-linear, --pad-for vllm", dict(latent_norm="near_linear", pad_for="vllm")),
 }
+
+
+@torch.no_grad()
+def same_greedy(reference, model, prompt: torch.Tensor, new_tokens: int = 32) -> str:
+    """Whether greedy generate() gives the same tokens as the MLA model's (its LatentCache against the export's cache)."""
+    a = reference.generate(prompt[None], max_new_tokens=new_tokens, do_sample=False)[0, len(prompt):]
+    b = model.generate(prompt[None], max_new_tokens=new_tokens, do_sample=False)[0, len(prompt):]
+    agree = int((a == b).sum())
+    return f"{agree}/{new_tokens} greedy tokens the MLA model's" + (" (all)" if agree == new_tokens else "")
 
 
 @torch.no_grad()
@@ -75,7 +85,8 @@ def main() -> None:
         calib = report["logits_gap"]
         rows.append((f"{name} [{type(model).__name__}, kv_lora_rank {report['kv_lora_rank']}, "
                      f"qk_rope_head_dim {report['qk_rope_head_dim']}; export {seconds:.0f} s]",
-                     report["kv_values_per_token_per_layer"], ppl, gap(mla, model, first),
+                     report["kv_values_per_token_per_layer"], ppl,
+                     f"{gap(mla, model, first)}; {same_greedy(mla, model, first[:64])}",
                      f"max {calib['max_abs']:.2e}, top-1 {100 * calib['top1_agreement']:.2f} %"))
         if directory == "near_linear":  # bfloat16 against the float32 MLA model, and bfloat16's own noise
             bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
