@@ -1,12 +1,13 @@
 """Global latent allocation: one total cache budget, latent widths that differ by layer.
 
 The uniform conversion gives every layer the same latent width ℓ. Layers differ in how much of their
-keys and values a rank-ℓ latent keeps, so the same total can be spent better. The activation-aware
-factorisation (lowrank) of layer i's M_i = [W_k_nope; W_v] at rank ℓ leaves the error
+keys and values a rank-ℓ latent keeps, so the same total can be spent better. The factorisation
+(lowrank) of layer i's M_i = [W_k_nope; W_v] at rank ℓ leaves the error
 
-    e_i(ℓ) = Σ_{j > ℓ} σ_ij² / Σ_j σ_ij²,     σ_ij the singular values of M_i L_i (C_i = L_i L_iᵀ),
+    e_i(ℓ) = Σ_{j > ℓ} σ_ij² / Σ_j σ_ij²,     σ_ij the singular values of S_i M_i L_i (C_i = L_i L_iᵀ),
 
-the share of the layer's key and value energy on its calibration activations that the latent drops.
+the share of the layer's key and value energy on its calibration activations that the latent drops,
+weighted as the factorisation weights it (S_i: the query-aware or output-aware row weights, or none).
 Each e_i is convex and decreasing in ℓ, so the greedy allocation of one latent dim at a time to the
 layer whose error drops most — the largest remaining normalised σ_ij² — is the global top-(n·ℓ) of
 all layers' normalised squared singular values (CARE's global criterion on this error), with every
@@ -24,13 +25,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from .calibration import layer_stats, source_layer_step
-from .lowrank import cholesky_factor
+from .lowrank import cholesky_factor, row_weights
 from .weights import load_module
 
 
-def normalised_spectrum(position_free_rows: torch.Tensor, values: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
-    """σ_j² / Σ σ² of [W_k_nope; W_v] L, descending."""
-    s = torch.linalg.svdvals(torch.cat([position_free_rows.double(), values.double()]) @ chol)
+def normalised_spectrum(position_free_rows: torch.Tensor, values: torch.Tensor, chol: torch.Tensor | None,
+                        k_weight: torch.Tensor | None = None, v_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """σ_j² / Σ σ² of S [W_k_nope; W_v] L (the matrix the factorisation truncates), descending."""
+    target = torch.cat([position_free_rows.double(), values.double()])
+    if chol is not None:
+        target = target @ chol
+    if k_weight is not None:
+        target = torch.block_diag(k_weight, v_weight) @ target
+    s = torch.linalg.svdvals(target)
     energy = s.pow(2)
     return energy / energy.sum()
 
@@ -50,10 +57,11 @@ def allocate_widths(spectra: list[torch.Tensor], total: int, caps: list[int]) ->
 
 
 @torch.no_grad()
-def layer_spectra(src, blocks: torch.Tensor, layout, rope_pairs: int, dtype: torch.dtype,
-                  batch: int) -> list[torch.Tensor]:
-    """Each layer's normalised spectrum for a latent after the RoPE layout at `rope_pairs`, measured on
-    the source's own hidden states (streaming: one source layer at a time, `batch` blocks per pass)."""
+def layer_spectra(src, blocks: torch.Tensor, layout, rope_pairs: int, init: str, kv_balance: float,
+                  dtype: torch.dtype, batch: int) -> list[torch.Tensor]:
+    """Each layer's normalised spectrum for a latent after the RoPE layout at `rope_pairs`, weighted as
+    the factorisation `init` weights it (lowrank), measured on the source's own hidden states
+    (streaming: one source layer at a time, `batch` blocks per pass)."""
     config, reader = src.config, src.reader
     blocks = blocks.to(torch.get_default_device())
     with torch.device("meta"):
@@ -72,9 +80,12 @@ def layer_spectra(src, blocks: torch.Tensor, layout, rope_pairs: int, dtype: tor
         layer = load_module(reader, skeleton.model.layers[idx], f"model.layers.{idx}.", dtype)
         stats = layer_stats(layer, hidden, config)
         choice = layout.choose(layout.measure(layer.self_attn, stats), rope_pairs, inv_freq, seq)
-        position_free = layout.position_free(layer.self_attn, choice)
-        spectra.append(normalised_spectrum(position_free.weight, layer.self_attn.v_proj.weight,
-                                           cholesky_factor(stats.cov)))
+        attn = layer.self_attn
+        position_free = layout.position_free(attn, choice)
+        chol = cholesky_factor(stats.cov) if init != "weight" else None
+        weights = row_weights(attn, position_free, stats, chol, init, kv_balance, config.num_attention_heads //
+                              config.num_key_value_heads, attn.head_dim)
+        spectra.append(normalised_spectrum(position_free.weight, attn.v_proj.weight, chol, *weights))
         step = source_layer_step(layer, causal, position_ids, rope)
         hidden = [step(h) for h in hidden]
     return spectra

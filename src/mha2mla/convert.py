@@ -45,7 +45,7 @@ from .evaluate.kv_memory import kv_report, source_elements_per_token_per_layer
 from .expand import expanded_source
 from .latent_norm import METHODS as LATENT_NORMS
 from .latent_norm import add_latent_norm
-from .lowrank import cholesky_factor, joint_factors, key_row_weight, same_energy, value_row_weight
+from .lowrank import cholesky_factor, joint_factors, row_weights
 from .modeling import MLAConfig, MLAForCausalLM
 from .modeling.modeling_mla import MLAAttention, MLADecoderLayer
 from .refit import REFITS, refit_outputs
@@ -102,35 +102,6 @@ def paper_d_kv(config: MLAConfig) -> int | float:
     else:
         width = config.kv_elements_per_token_per_layer / n_kv - 2 * max(1, config.head_dim // 16)
     return int(width) if width == int(width) else round(width, 2)
-
-
-def output_weights(src_attn, nope, stats, groups: int, d_h: int, kv_balance: float):
-    """Block-diagonal output-side weights (S_k, S_v) of the key and value rows (see lowrank)."""
-    w_q = src_attn.q_proj.weight.view(-1, d_h, src_attn.q_proj.weight.shape[-1])
-    b_q = src_attn.q_proj.bias.view(-1, d_h) if src_attn.q_proj.bias is not None else None
-    w_o = src_attn.o_proj.weight.view(src_attn.o_proj.weight.shape[0], -1, d_h)
-    s_k, s_v = [], []
-    for g, dims in enumerate(nope):
-        heads = range(g * groups, (g + 1) * groups)
-        s_k.append(key_row_weight([w_q[h, dims] for h in heads],
-                                  [b_q[h, dims] if b_q is not None else None for h in heads],
-                                  stats.cov, stats.mean, d_h))
-        s_v.append(value_row_weight([w_o[:, h] for h in heads]) * kv_balance**0.5)
-    return torch.block_diag(*s_k), torch.block_diag(*s_v)
-
-
-def row_weights(src_attn, position_free: PositionFree, stats, chol, init: str, kv_balance: float, groups: int,
-                d_h: int):
-    """Output-side weights (S_k, S_v) of the key and value rows for `init` (lowrank), or (None, None)
-    where both are the identity."""
-    n_k, n_v = position_free.weight.shape[0], src_attn.v_proj.weight.shape[0]
-    if init == "output":
-        return output_weights(src_attn, position_free.dims, stats, groups, d_h, kv_balance)
-    values = torch.eye(n_v, dtype=torch.float64) * kv_balance**0.5  # √β against the keys
-    if init == "query":
-        s_k = output_weights(src_attn, position_free.dims, stats, groups, d_h, kv_balance)[0]
-        return s_k * same_energy(s_k, position_free.weight, chol), values
-    return (torch.eye(n_k, dtype=torch.float64), values) if kv_balance != 1.0 else (None, None)
 
 
 @torch.no_grad()
@@ -297,7 +268,7 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
                         f"after the calibration samples: add text or lower --calib-samples/--calib-seq-len")
     if allocate == "global":
         with torch.device(device):
-            candidates = globally_allocated(src, calib, layout, candidates, dtype)
+            candidates = globally_allocated(src, calib, layout, candidates, init, dtype)
     settings = dict(layout=layout, svd=svd, init=init, sequential=sequential, refit=refit, latent_norm=latent_norm,
                     dtype=dtype, progress=progress)
 
@@ -326,16 +297,17 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     return result[0], src.tokenizer
 
 
-def globally_allocated(src, calib: torch.Tensor, layout, candidates: list[Candidate], dtype) -> list[Candidate]:
+def globally_allocated(src, calib: torch.Tensor, layout, candidates: list[Candidate], init: str,
+                       dtype) -> list[Candidate]:
     """The candidates with each layer's latent width allocated from the source's spectra at their r
-    (allocate), the total that of their uniform split."""
+    and K/V balance, weighted as `init` factors (allocate), the total that of their uniform split."""
     n_layers, spectra = src.config.num_hidden_layers, {}
     allocated = []
     for c in candidates:
         r, latent = c.splits[0]
-        if r not in spectra:
-            spectra[r] = layer_spectra(src, calib, layout, r, dtype, CALIB_BATCH)
-        widths = allocate_widths(spectra[r], latent * n_layers, [layout.max_latent(r)] * n_layers)
+        if (r, c.kv_balance) not in spectra:
+            spectra[r, c.kv_balance] = layer_spectra(src, calib, layout, r, init, c.kv_balance, dtype, CALIB_BATCH)
+        widths = allocate_widths(spectra[r, c.kv_balance], latent * n_layers, [layout.max_latent(r)] * n_layers)
         allocated.append(replace(c, layer_latents=tuple(widths)))
     return allocated
 

@@ -122,3 +122,34 @@ def same_energy(row_weight: torch.Tensor, rows: torch.Tensor, chol: torch.Tensor
 def value_row_weight(w_o_heads: list[torch.Tensor]) -> torch.Tensor:
     """S_v for one KV group from the o_proj columns of its query heads: Σ_h W_o,hᵀ W_o,h."""
     return upper_factor(sum(w.double().T @ w.double() for w in w_o_heads))
+
+
+def output_weights(src_attn, nope, stats, groups: int, d_h: int, kv_balance: float):
+    """Block-diagonal output-side weights (S_k, S_v) of the key rows (per KV group, at the head dims
+    `nope`) and the value rows of a source attention layer, from its calibration statistics."""
+    w_q = src_attn.q_proj.weight.view(-1, d_h, src_attn.q_proj.weight.shape[-1])
+    b_q = src_attn.q_proj.bias.view(-1, d_h) if src_attn.q_proj.bias is not None else None
+    w_o = src_attn.o_proj.weight.view(src_attn.o_proj.weight.shape[0], -1, d_h)
+    s_k, s_v = [], []
+    for g, dims in enumerate(nope):
+        heads = range(g * groups, (g + 1) * groups)
+        s_k.append(key_row_weight([w_q[h, dims] for h in heads],
+                                  [b_q[h, dims] if b_q is not None else None for h in heads],
+                                  stats.cov, stats.mean, d_h))
+        s_v.append(value_row_weight([w_o[:, h] for h in heads]) * kv_balance**0.5)
+    return torch.block_diag(*s_k), torch.block_diag(*s_v)
+
+
+def row_weights(src_attn, position_free, stats, chol, init: str, kv_balance: float, groups: int,
+                d_h: int):
+    """Output-side weights (S_k, S_v) of the key and value rows for `init` ("output", "query", or the
+    identity with the values weighted √β), or (None, None) where both are the identity.
+    `position_free`: the key rows (rope_layout.PositionFree: weight and, per KV group, its head dims)."""
+    n_k, n_v = position_free.weight.shape[0], src_attn.v_proj.weight.shape[0]
+    if init == "output":
+        return output_weights(src_attn, position_free.dims, stats, groups, d_h, kv_balance)
+    values = torch.eye(n_v, dtype=torch.float64) * kv_balance**0.5  # √β against the keys
+    if init == "query":
+        s_k = output_weights(src_attn, position_free.dims, stats, groups, d_h, kv_balance)[0]
+        return s_k * same_energy(s_k, position_free.weight, chol), values
+    return (torch.eye(n_k, dtype=torch.float64), values) if kv_balance != 1.0 else (None, None)
