@@ -22,9 +22,8 @@ conversion proper.
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from .calibration import layer_stats, source_layer_step
+from .calibration import layer_stats, source_layer_step, source_pass
 from .lowrank import cholesky_factor, row_weights
 from .weights import load_module
 
@@ -64,14 +63,9 @@ def layer_spectra(src, blocks: torch.Tensor, layout, rope_pairs: int, init: str,
     (streaming: one source layer at a time, `batch` blocks per pass)."""
     config, reader = src.config, src.reader
     blocks = blocks.to(torch.get_default_device())
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    rotary = type(skeleton.model.rotary_emb)(config=config)
-    inv_freq = rotary.inv_freq.tolist()
     seq = blocks.shape[1]
-    position_ids = torch.arange(seq)[None]
-    causal = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
-    rope = rotary(torch.zeros(1, dtype=dtype), position_ids)
+    run = source_pass(config, seq, dtype)
+    skeleton, inv_freq = run.skeleton, run.inv_freq
     embed = load_module(reader, skeleton.model.embed_tokens, "model.embed_tokens.", reader.dtype)
     hidden = [embed(blocks[i:i + batch]).to(dtype) for i in range(0, len(blocks), batch)]
     del embed
@@ -86,6 +80,6 @@ def layer_spectra(src, blocks: torch.Tensor, layout, rope_pairs: int, init: str,
         weights = row_weights(attn, position_free, stats, chol, init, kv_balance, config.num_attention_heads //
                               config.num_key_value_heads, attn.head_dim)
         spectra.append(normalised_spectrum(position_free.weight, attn.v_proj.weight, chol, *weights))
-        step = source_layer_step(layer, causal, position_ids, rope)
+        step = source_layer_step(layer, run.causal, run.position_ids, run.rope)
         hidden = [step(h) for h in hidden]
     return spectra

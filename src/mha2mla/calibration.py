@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoModelForCausalLM
 
 
 @dataclass
@@ -28,6 +29,29 @@ class LayerStats:
     k_norm: torch.Tensor
     inputs: list[torch.Tensor]
     hidden: list[torch.Tensor]
+
+
+@dataclass
+class SourcePass:
+    """What a layer-by-layer pass over calibration blocks of one length needs from the source: its
+    modules on the meta device (read one at a time with weights.load_module), its rotary embedding and
+    frequencies, the positions, the additive causal mask and the RoPE tables."""
+    skeleton: torch.nn.Module
+    rotary: torch.nn.Module
+    inv_freq: list[float]
+    position_ids: torch.Tensor
+    causal: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+
+
+def source_pass(config, seq: int, dtype: torch.dtype) -> SourcePass:
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    rotary = type(skeleton.model.rotary_emb)(config=config)
+    position_ids = torch.arange(seq)[None]
+    causal = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+    return SourcePass(skeleton, rotary, rotary.inv_freq.tolist(), position_ids, causal,
+                      rotary(torch.zeros(1, dtype=dtype), position_ids))
 
 
 def pair_norms(states: torch.Tensor, n_heads: int) -> torch.Tensor:

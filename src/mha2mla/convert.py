@@ -32,12 +32,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM
 
 from .allocate import allocate_widths, layer_spectra
 from .atomic import save_atomically
 from .budget import HELD_IN_BLOCKS, Candidate, budget_splits, candidates_for, d_kv_split, kv_balances, search
-from .calibration import layer_stats, source_layer_step
+from .calibration import layer_stats, source_layer_step, source_pass
 from .checkpoint import write_checkpoint_files
 from .data import calibration_blocks, default_train_text
 from .errors import UserError
@@ -349,10 +348,10 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
     device = torch.get_default_device()
     blocks, held_in = blocks.to(device), held_in.to(device) if held_in is not None else None
     n_layers = config.num_hidden_layers
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    rotary = type(skeleton.model.rotary_emb)(config=config)
-    inv_freq = rotary.inv_freq.tolist()
+    seq = blocks.shape[1]
+    run = source_pass(config, seq, dtype)
+    skeleton, rotary, inv_freq = run.skeleton, run.rotary, run.inv_freq
+    position_ids, causal, rope = run.position_ids, run.causal, run.rope
     rope_pairs, latent = candidate.splits[0]
     half = head_dim_of(config) // 2
     placeholder = [[[i % half for i in range(rope_pairs)]] * layout.n_rope_keys] * n_layers  # set per layer
@@ -363,10 +362,6 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
     # every layer's split, set as each layer is converted (MLAAttention reads its widths from the config)
     mla_config.layer_rope_pairs, mla_config.layer_latent_dims = [rope_pairs] * n_layers, [latent] * n_layers
     kept_all, norm_eps = [], []
-    seq = blocks.shape[1]
-    position_ids = torch.arange(seq)[None]
-    causal = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
-    rope = rotary(torch.zeros(1, dtype=dtype), position_ids)
     # the embeddings stay in the storage dtype (for a bf16 source, half the float32 table): only the
     # looked-up rows are cast to the forward passes' dtype, exactly
     embed = load_module(reader, skeleton.model.embed_tokens, "model.embed_tokens.", reader.dtype)
