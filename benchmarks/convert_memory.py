@@ -1,6 +1,7 @@
 """Peak resident memory and time of `convert` as the source grows (prints, asserts nothing).
 
     python benchmarks/convert_memory.py [--sizes 1.5,3] [--real smollm2-135m,qwen2.5-0.5b] [--scratch DIR]
+                                        [--export]
 
 Every conversion runs in a process of its own and reports that process's peak resident set size
 (getrusage ru_maxrss), so one measurement never inherits another's peak. Settings: a fixed split
@@ -15,6 +16,9 @@ Every conversion runs in a process of its own and reports that process's peak re
 
 For each it prints the bound the streaming converter aims at: embeddings + two layers (in the
 forward passes' float32) + calibration activations + 1 GB.
+
+`--export` also exports each random model's conversion to DeepSeek-V3 (`mha2mla export`, which reads
+the MLA checkpoint a layer at a time), in a process of its own, against the MLA checkpoint's size.
 """
 
 from __future__ import annotations
@@ -87,7 +91,9 @@ def one(args) -> None:
     from mha2mla.cli import main
 
     start = time.perf_counter()
-    if args.in_memory:
+    if args.export:
+        main(["export", args.source, args.out, "--format", "deepseek-v3"])
+    elif args.in_memory:
         from mha2mla import load_source
         from mha2mla.convert import convert_checkpoint
 
@@ -99,10 +105,12 @@ def one(args) -> None:
     print(json.dumps({"seconds": time.perf_counter() - start, "peak_bytes": peak}))
 
 
-def measure(source: str, out: Path, in_memory: bool = False) -> dict:
-    cmd = [sys.executable, __file__, "--one", source, "--out", str(out)] + (["--in-memory"] if in_memory else [])
+def measure(source: str, out: Path, in_memory: bool = False, export: bool = False, keep: bool = False) -> dict:
+    cmd = ([sys.executable, __file__, "--one", source, "--out", str(out)] + (["--in-memory"] if in_memory else [])
+           + (["--export"] if export else []))
     run = subprocess.run(cmd, capture_output=True, text=True)
-    shutil.rmtree(out, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
     if run.returncode != 0:
         return {"error": run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}"}
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -124,6 +132,7 @@ def main() -> None:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--in-memory", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--export", action="store_true", help="also export each random model's conversion")
     args = parser.parse_args()
     if args.one:
         args.source = args.one
@@ -148,9 +157,14 @@ def main() -> None:
         path = scratch / f"llama-{size}b"
         shutil.rmtree(path, ignore_errors=True)
         params = write_random_llama(path, config, tokenizer)
-        result = measure(str(path), scratch / "out")
+        result = measure(str(path), scratch / "out", keep=args.export)
         row(f"random Llama {size}B (bf16)", params, "streaming", result, bound_gb(config))
         shutil.rmtree(path)
+        if args.export and "peak_bytes" in result:
+            size_gb = sum(f.stat().st_size for f in (scratch / "out").glob("*.safetensors")) / 1e9
+            exported = measure(str(scratch / "out"), scratch / "ds", export=True)
+            shutil.rmtree(scratch / "out", ignore_errors=True)
+            row(f"its MLA conversion ({size_gb:.2f} GB) → DeepSeek-V3", params, "export", exported, bound_gb(config))
         if "peak_bytes" in result:
             growth.append((bound_gb(config), result["peak_bytes"] / 1e9))
     if len(growth) >= 2:  # peak against the bound over the random Llama rows: peak ≈ a·bound + b

@@ -107,6 +107,21 @@ def test_exported_checkpoint_loads_with_stock_transformers_and_matches(exported_
     assert report["kv_values_per_token_per_layer"] == report["mla_kv_values_per_token_per_layer"]
 
 
+def test_export_from_a_checkpoint_streams_the_same_tensors(exported_tiny, tiny_mla_model, tokenizer, wiki_dir,
+                                                           tmp_path):
+    """Exporting the saved checkpoint (read a layer at a time from its safetensors) writes exactly what the
+    export of the model in memory wrote, and measures the same gap."""
+    from safetensors.torch import load_file
+
+    out, report = exported_tiny
+    tiny_mla_model.save_pretrained(tmp_path / "mla")
+    tokenizer.save_pretrained(tmp_path / "mla")
+    streamed = export_checkpoint(tmp_path / "mla", tmp_path / "ds", calib_data=[wiki_dir], calib_seq_len=64)
+    want, got = load_file(out / "model.safetensors"), load_file(tmp_path / "ds" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[name], got[name]) for name in want)
+    assert streamed["logits_gap"] == report["logits_gap"]
+
+
 def test_kv_size_reads_the_exported_checkpoint(exported_tiny, capsys):
     out, report = exported_tiny
     assert main(["kv-size", str(out), "--json"]) == 0

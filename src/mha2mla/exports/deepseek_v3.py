@@ -36,22 +36,33 @@ from L_i to L lowers mean(c²) by L_i/L, undone by β = sqrt(L/L_i) on kv_down a
 the source's eps through the residual stream's scale (residual_scale). A model without a latent norm
 gets one by latent_norm.norm_parameters from calibration text ("near_linear" keeps the function to
 latent_norm.TOLERANCE), and the export measures what that costs.
+
+Streaming. The export reads the MLA checkpoint a module at a time (weights.py readers, memory-mapped
+safetensors) and writes shard by shard (ShardWriter). Its one pass over the layers also makes each
+layer's latent norm from that layer's attention inputs on calibration text, and measures the gap: a few
+held-in blocks advance through the MLA layer and through transformers' own DeepseekV3DecoderLayer
+loaded with the written tensors, so memory holds one layer and those blocks' hidden states.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+from transformers import AutoTokenizer, DeepseekV3Config, GenerationConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention, DeepseekV3DecoderLayer,
+                                                                  DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding)
 
 from ..atomic import save_atomically
+from ..calibration import source_layer_step
 from ..errors import UserError
 from ..latent_norm import EPS, METHODS, latent_mean_squares, norm_parameters
-from ..weights import ShardWriter
+from ..modeling import MLAForCausalLM
+from ..modeling.modeling_mla import MLARotaryEmbedding
+from ..weights import SafetensorsReader, ShardWriter, StateDictReader, load_module
 
 FORMATS = ("deepseek-v3",)
 # Engine shapes (--pad-for): vLLM's MLA kernels take one head size, kv_lora_rank + qk_rope_head_dim = 576
@@ -220,40 +231,56 @@ def attention_tensors(attn, kept_pairs, shape: Shape, kv_down: torch.Tensor, nor
     return tensors
 
 
-def has_query_bias(model) -> bool:
-    return any(layer.self_attn.q_proj.bias is not None and bool(layer.self_attn.q_proj.bias.any())
-               for layer in model.model.layers)
+@dataclass
+class MLAWeights:
+    """An MLA checkpoint opened for reading a module at a time: its config, a reader of its tensors
+    (weights.py), the model on the meta device (the modules load_module fills) and its tokenizer."""
+    config: object
+    reader: object
+    skeleton: torch.nn.Module
+    tokenizer: object
+    generation_config: GenerationConfig | None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.reader.dtype
+
+    def load(self, name: str) -> torch.nn.Module:
+        """The module `name` of the model (e.g. "model.layers.3") with its weights, and its RoPE
+        frequencies (buffers the checkpoint does not hold) computed by the model's init."""
+        module = load_module(self.reader, self.skeleton.get_submodule(name), f"{name}.", self.dtype)
+        for part in module.modules():
+            if isinstance(part, MLARotaryEmbedding):
+                self.skeleton._init_weights(part)
+        return module
 
 
-@torch.no_grad()
-def attention_inputs(model, blocks: torch.Tensor) -> list[torch.Tensor]:
-    """What enters every layer's attention (after its input norm) over `blocks` [N, T] → per layer [N·T, hidden]."""
-    seen = [[] for _ in model.model.layers]
-    hooks = [layer.self_attn.register_forward_pre_hook(
-        lambda module, args, i=i: seen[i].append(args[0].reshape(-1, args[0].shape[-1]).float()))
-        for i, layer in enumerate(model.model.layers)]
-    try:
-        for block in blocks:
-            model(block[None].to(model.device), use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [torch.cat(x) for x in seen]
+def open_mla(model_or_path) -> MLAWeights:
+    """An (MLAForCausalLM, tokenizer) pair, or an MLA checkpoint directory, read lazily: from a
+    directory only the tensors asked for are read (memory-mapped), so the export holds one layer."""
+    from ..checkpoint import TOKENIZER_SUBFOLDER
+    from ..sources import read_config, with_pad_token
+
+    if isinstance(model_or_path, tuple):
+        model, tokenizer = model_or_path
+        config, reader, generation = model.config, StateDictReader(model), model.generation_config
+    else:
+        path = Path(model_or_path)
+        config = read_config(path)
+        check_exportable(config)
+        reader = SafetensorsReader(path, config)
+        subfolder = TOKENIZER_SUBFOLDER if (path / TOKENIZER_SUBFOLDER).is_dir() else ""
+        tokenizer = with_pad_token(AutoTokenizer.from_pretrained(path, subfolder=subfolder))
+        generation = GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
+    with torch.device("meta"):
+        skeleton = MLAForCausalLM(config)
+    return MLAWeights(config, reader, skeleton, tokenizer, generation)
 
 
-def latent_norms(model, inputs: list[torch.Tensor] | None, method: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (kv_down weight, norm weight) for a norm of DeepSeek's eps: the model's own latent norm, or
-    one made by `method` from `inputs`; a norm of eps ε becomes one of eps EPS on α·kv_down, α = sqrt(EPS/ε)."""
-    result = []
-    for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        if attn.kv_norm is not None:
-            eps, weight = attn.kv_norm.eps, attn.kv_norm.weight.double()
-        else:
-            eps, w = norm_parameters(latent_mean_squares(attn.kv_down.weight, inputs[i]), method)
-            weight = torch.full((attn.kv_down.out_features,), w, dtype=torch.float64)
-        result.append((math.sqrt(EPS / eps) * attn.kv_down.weight.double(), weight))
-    return result
+def has_query_bias(mla: MLAWeights) -> bool:
+    names = mla.reader.names()
+    return any(bool(mla.reader.get(name).any()) for i in range(mla.config.num_hidden_layers)
+               if (name := f"model.layers.{i}.self_attn.q_proj.bias") in names)
 
 
 def check_exportable(config) -> None:
@@ -282,46 +309,106 @@ def residual_scale(config) -> float:
     return math.sqrt(EPS / config.rms_norm_eps)
 
 
-def write_deepseek(model, tokenizer, ds: DeepseekV3Config, shape: Shape, norms, out: Path) -> None:
-    """config, tokenizer, generation config and weights (in the model's dtype) of the exported checkpoint.
+def layer_norm(attn, inputs: torch.Tensor | None, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_down weight, norm weight) of one layer for a latent norm of DeepSeek's eps: the layer's own
+    latent norm, or one made by `method` from its attention `inputs` [..., hidden]; a norm of eps ε
+    becomes one of eps EPS on α·kv_down, α = sqrt(EPS/ε)."""
+    if attn.kv_norm is not None:
+        eps, weight = attn.kv_norm.eps, attn.kv_norm.weight.double()
+    else:
+        eps, w = norm_parameters(latent_mean_squares(attn.kv_down.weight, inputs), method)
+        weight = torch.full((attn.kv_down.out_features,), w, dtype=torch.float64)
+    return math.sqrt(EPS / eps) * attn.kv_down.weight.double(), weight
 
-    The residual stream is scaled by γ (residual_scale): the embeddings and what o_proj and the MLP add
-    to it, and 1/γ on the final norm's weight where the LM head is the (scaled) embedding."""
-    config, dtype = model.config, model.dtype
-    q_scale, rope_scale = score_scales(config, ds)
-    gamma = residual_scale(config)
-    ds.dtype = dtype
-    ds.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    writer = ShardWriter(out)
-    writer.add("model.embed_tokens.weight", (gamma * model.model.embed_tokens.weight.double()).to(dtype))
-    for i, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{i}."
-        kv_down, norm_weight = norms[i]
-        tensors = attention_tensors(layer.self_attn, config.kept_pairs[i], shape, kv_down, norm_weight,
-                                    q_scale, rope_scale, ds.attention_bias)
-        for name, tensor in tensors.items():
-            residual = name.startswith("o_proj.")          # what attention adds to the residual stream
-            writer.add(f"{prefix}self_attn.{name}", (gamma * tensor if residual else tensor).to(dtype))
-        for name in ("gate_proj", "up_proj"):
-            writer.add(f"{prefix}mlp.{name}.weight", getattr(layer.mlp, name).weight.to(dtype))
-        writer.add(f"{prefix}mlp.down_proj.weight", (gamma * layer.mlp.down_proj.weight.double()).to(dtype))
-        writer.add_module(f"{prefix}input_layernorm.", layer.input_layernorm, dtype)
-        writer.add_module(f"{prefix}post_attention_layernorm.", layer.post_attention_layernorm, dtype)
-    final_norm = model.model.norm.weight.double() / (gamma if config.tie_word_embeddings else 1.0)
-    writer.add("model.norm.weight", final_norm.to(dtype))
-    if not config.tie_word_embeddings:
-        writer.add("lm_head.weight", model.lm_head.weight.to(dtype))
-    writer.close()
+
+def layer_tensors(layer, kept_pairs, shape: Shape, norm, scales: tuple[float, float], keep_biases: bool,
+                  gamma: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every exported tensor of one decoder layer, named within the layer, in `dtype`: the attention's
+    (attention_tensors), the MLP's and the norms; what the layer adds to the residual stream (o_proj and
+    down_proj) is scaled by γ (residual_scale)."""
+    tensors = {f"self_attn.{name}": tensor for name, tensor in
+               attention_tensors(layer.self_attn, kept_pairs, shape, *norm, *scales, keep_biases).items()}
+    tensors.update({f"mlp.{name}": tensor for name, tensor in layer.mlp.state_dict().items()})
+    tensors.update({f"input_layernorm.{name}": t for name, t in layer.input_layernorm.state_dict().items()})
+    tensors.update({f"post_attention_layernorm.{name}": t
+                    for name, t in layer.post_attention_layernorm.state_dict().items()})
+    residual = ("self_attn.o_proj.", "mlp.down_proj.")
+    return {name: (gamma * tensor.double() if name.startswith(residual) else tensor).to(dtype)
+            for name, tensor in tensors.items()}
+
+
+def deepseek_layer(run_config: DeepseekV3Config, i: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """transformers' DeepSeek-V3 decoder layer i holding `tensors` (layer_tensors)."""
+    with torch.device("meta"):
+        layer = DeepseekV3DecoderLayer(run_config, i)
+    layer = layer.to_empty(device=torch.get_default_device())
+    layer.load_state_dict(tensors)
+    return layer.eval()
 
 
 @torch.no_grad()
-def logits_gap(model, exported, blocks: torch.Tensor) -> dict:
-    """How far the exported model's logits are from the MLA model's on `blocks` [N, T]."""
-    a = torch.cat([model(block[None].to(model.device), use_cache=False).logits[0].double() for block in blocks])
-    b = torch.cat([exported(block[None].to(model.device), use_cache=False).logits[0].double() for block in blocks])
+def write_deepseek(mla: MLAWeights, ds: DeepseekV3Config, shape: Shape, method: str, calib: torch.Tensor,
+                   held_in: torch.Tensor, out: Path) -> dict:
+    """Write the exported checkpoint (config, tokenizer, generation config, weights in the MLA model's
+    dtype) a layer at a time → the logits gap to the MLA model on `held_in` [N, T].
+
+    One pass over the layers: layer i is read, its latent norm made from its attention inputs on `calib`
+    (when the model has none), its DeepSeek tensors written and loaded into transformers' own
+    DeepseekV3DecoderLayer; the held-in hidden states advance through both the MLA layer and the exported
+    one, so the gap compares the MLA model with what stock transformers computes from the written
+    weights, while memory holds one layer and a few blocks' hidden states. The residual stream is scaled
+    by γ (residual_scale): the embeddings and what o_proj and the MLP add to it, and 1/γ on the final
+    norm's weight where the LM head is the (scaled) embedding."""
+    config, dtype = mla.config, mla.dtype
+    scales, gamma = score_scales(config, ds), residual_scale(config)
+    ds.dtype = dtype
+    ds.save_pretrained(out)
+    if mla.generation_config is not None:
+        mla.generation_config.save_pretrained(out)
+    mla.tokenizer.save_pretrained(out)
+    run_config = copy.deepcopy(ds)
+    run_config._attn_implementation = "sdpa"
+    writer = ShardWriter(out)
+
+    seq = held_in.shape[1]
+    positions = torch.arange(seq)[None]
+    causal = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+    embed = mla.load("model.embed_tokens")
+    embed_ds = (gamma * embed.weight.double()).to(dtype)
+    writer.add("model.embed_tokens.weight", embed_ds)
+    x_mla, x_ds = embed(held_in), torch.nn.functional.embedding(held_in, embed_ds)
+    x_calib = embed(calib) if not config.latent_norm else None
+    rope_ds = DeepseekV3RotaryEmbedding(run_config)(x_ds, positions)
+    for i in range(config.num_hidden_layers):
+        layer = mla.load(f"model.layers.{i}")
+        inputs = layer.input_layernorm(x_calib) if x_calib is not None else None
+        tensors = layer_tensors(layer, config.kept_pairs[i], shape, layer_norm(layer.self_attn, inputs, method),
+                                scales, ds.attention_bias, gamma, dtype)
+        for name, tensor in tensors.items():
+            writer.add(f"model.layers.{i}.{name}", tensor)
+        x_mla = layer(x_mla, positions, causal)
+        x_ds = source_layer_step(deepseek_layer(run_config, i, tensors), causal, positions, rope_ds)(x_ds)
+        if x_calib is not None:
+            x_calib = layer(x_calib, positions, causal)
+
+    norm = mla.load("model.norm")
+    norm_ds = norm.weight.double() / (gamma if config.tie_word_embeddings else 1.0)
+    writer.add("model.norm.weight", norm_ds.to(dtype))
+    if config.tie_word_embeddings:
+        head, head_ds = embed.weight, embed_ds
+    else:
+        head = head_ds = mla.load("lm_head").weight
+        writer.add("lm_head.weight", head_ds)
+    writer.close()
+    final_ds = DeepseekV3RMSNorm(config.hidden_size, ds.rms_norm_eps).to(dtype)
+    final_ds.weight.copy_(norm_ds)
+    return logits_gap(torch.nn.functional.linear(norm(x_mla), head),
+                      torch.nn.functional.linear(final_ds(x_ds), head_ds))
+
+
+def logits_gap(mla: torch.Tensor, exported: torch.Tensor) -> dict:
+    """How far the exported model's logits are from the MLA model's (both [..., V])."""
+    a, b = mla.double().flatten(0, -2), exported.double().flatten(0, -2)
     return {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean()),
             "max_abs_logit": float(a.abs().max()),
             "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
@@ -342,7 +429,6 @@ def export_checkpoint(model_or_path, out, *, format: str = "deepseek-v3", pad_fo
     """
     from ..convert import check_output_dir
     from ..data import calibration_blocks, default_train_text, text_files
-    from ..sources import load_model, read_config
 
     if format not in FORMATS:
         raise UserError(f"unknown export format '{format}' (supported: {', '.join(FORMATS)})")
@@ -351,26 +437,25 @@ def export_checkpoint(model_or_path, out, *, format: str = "deepseek-v3", pad_fo
     if latent_norm not in METHODS:
         raise UserError(f"unknown latent norm method '{latent_norm}' (one of {', '.join(METHODS)})")
     check_output_dir(out, overwrite)
-    config = model_or_path[0].config if isinstance(model_or_path, tuple) else read_config(Path(model_or_path))
+    mla = open_mla(model_or_path)
+    config = mla.config
     check_exportable(config)
     shape = export_shape(config, pad_for)
     ds = deepseek_config(config, shape, source_rope_parameters(config, source),
                          config.attention_bias or config.o_proj_bias)
     check_rope(config, ds, shape)
     check_engine(ds, pad_for)
-    model, tokenizer = model_or_path if isinstance(model_or_path, tuple) else load_model(model_or_path)
-    if has_query_bias(model) and not drop_query_bias:
+    query_bias = has_query_bias(mla)
+    if query_bias and not drop_query_bias:
         raise UserError("the model has query biases (q_proj.bias, as Qwen2), which DeepSeek-V3's q_proj lacks: "
                         "pass --drop-query-bias to export without them (the logits gap is measured and printed)")
 
     paths = text_files(calib_data) if calib_data else [default_train_text()]
-    calib, held_in = calibration_blocks(tokenizer, paths, calib_seq_len, calib_samples, GAP_BLOCKS)
-    inputs = attention_inputs(model, calib) if not config.latent_norm else None
-    norms = latent_norms(model, inputs, latent_norm)
+    calib, held_in = calibration_blocks(mla.tokenizer, paths, calib_seq_len, calib_samples, GAP_BLOCKS)
     report = {
         "out": str(out), "format": format, "pad_for": pad_for, "source_model": config.source_model,
         "latent_norm": "the model's own" if config.latent_norm else latent_norm,
-        "query_bias_dropped": has_query_bias(model),
+        "query_bias_dropped": query_bias,
         "kv_lora_rank": shape.kv_lora_rank, "qk_rope_head_dim": shape.rope, "qk_nope_head_dim": shape.nope,
         "rope_theta": shape.theta,
         "kv_values_per_token_per_layer": shape.kv_lora_rank + shape.rope,
@@ -379,9 +464,8 @@ def export_checkpoint(model_or_path, out, *, format: str = "deepseek-v3", pad_fo
     }
 
     def write(tmp: Path) -> None:
-        write_deepseek(model, tokenizer, ds, shape, norms, tmp)
-        exported = DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=model.dtype).to(model.device).eval()
-        report["logits_gap"] = logits_gap(model, exported, held_in if len(held_in) else calib[:1])
+        report["logits_gap"] = write_deepseek(mla, ds, shape, latent_norm, calib,
+                                              held_in if len(held_in) else calib[:1], tmp)
         ds.mha2mla_export = {k: v for k, v in report.items() if k != "out"}
         ds.save_pretrained(tmp)
 
