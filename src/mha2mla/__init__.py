@@ -21,11 +21,16 @@ def convert(*args, **kwargs):
     return convert_model(*args, **kwargs)
 
 
-def export(*args, **kwargs):
-    """Export an MLA model to another format (DeepSeek-V3); see `mha2mla.exports.deepseek_v3.export_checkpoint`."""
+def export(model, out, *, format: str = "deepseek-v3", **kwargs):
+    """Export an MLA model to another format: "deepseek-v3" (`mha2mla.exports.deepseek_v3.export_checkpoint`)
+    or "gguf" for llama.cpp (`mha2mla.exports.gguf.export_gguf`)."""
+    if format == "gguf":
+        from .exports.gguf import export_gguf
+
+        return export_gguf(model, out, **kwargs)
     from .exports.deepseek_v3 import export_checkpoint
 
-    return export_checkpoint(*args, **kwargs)
+    return export_checkpoint(model, out, format=format, **kwargs)
 
 
 __all__ = ["load_source", "load_model", "convert", "export", "MLAConfig", "MLAForCausalLM", "LatentCache"]

@@ -59,23 +59,41 @@ def cmd_convert(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from .exports.deepseek_v3 import export_checkpoint
+    if args.format == "gguf":
+        from .exports.gguf import export_gguf
 
-    report = export_checkpoint(args.model, args.out, format=args.format, pad_for=args.pad_for,
-                               latent_norm=args.latent_norm, drop_query_bias=args.drop_query_bias,
-                               source=args.source, calib_data=args.calib_data, overwrite=args.overwrite)
+        if args.pad_for or args.drop_query_bias:
+            raise UserError("--pad-for and --drop-query-bias are options of --format deepseek-v3: the GGUF export "
+                            "takes neither (llama.cpp takes any latent width, and refuses query biases)")
+        report = export_gguf(args.model, args.out, tensor_type=args.type or "f16", source=args.source,
+                             overwrite=args.overwrite, latent_norm=args.latent_norm, calib_data=args.calib_data)
+    else:
+        from .exports.deepseek_v3 import export_checkpoint
+
+        if args.type:
+            raise UserError("--type is an option of --format gguf (the DeepSeek-V3 checkpoint keeps the model's dtype)")
+        report = export_checkpoint(args.model, args.out, format=args.format, pad_for=args.pad_for,
+                                   latent_norm=args.latent_norm, drop_query_bias=args.drop_query_bias,
+                                   source=args.source, calib_data=args.calib_data, overwrite=args.overwrite)
     _emit(report, args.json, _print_export)
 
 
 def _print_export(r: dict) -> None:
     gap = r["logits_gap"]
-    print(f"wrote {r['out']} ({r['format']}: kv_lora_rank {r['kv_lora_rank']}, qk_rope_head_dim "
-          f"{r['qk_rope_head_dim']}, qk_nope_head_dim {r['qk_nope_head_dim']}, latent norm {r['latent_norm']})")
+    if r["format"] == "gguf":
+        types = ", ".join(f"{n} {t}" for t, n in sorted(r["tensor_types"].items(), key=lambda kv: -kv[1]))
+        print(f"wrote {r['out']} (llama.cpp deepseek2, {r['file_bytes'] / 1e6:.1f} MB; tensors: {types}; "
+              f"kv_lora_rank {r['kv_lora_rank']}, rope dims {r['qk_rope_head_dim']}; tokenizer of {r['source_gguf']})")
+        if r["f16_fallback"]:
+            print(f"  F16 instead of {r['tensor_type']} (rows not whole blocks): {', '.join(r['f16_fallback'])}")
+    else:
+        print(f"wrote {r['out']} ({r['format']}: kv_lora_rank {r['kv_lora_rank']}, qk_rope_head_dim "
+              f"{r['qk_rope_head_dim']}, qk_nope_head_dim {r['qk_nope_head_dim']}, latent norm {r['latent_norm']})")
     print(f"KV cache per token per layer: {r['kv_values_per_token_per_layer']} values (MLA model "
           f"{r['mla_kv_values_per_token_per_layer']}, source {r['source_kv_values_per_token_per_layer']})")
-    print(f"logits gap to the MLA model: max {gap['max_abs']:.3g}, mean {gap['mean_abs']:.3g} (largest logit "
-          f"{gap['max_abs_logit']:.3g}), top-1 agreement {100 * gap['top1_agreement']:.2f} %"
-          + (" (query biases dropped)" if r["query_bias_dropped"] else ""))
+    print(f"logits gap to the MLA model{' (its DeepSeek-V3 mapping)' if r['format'] == 'gguf' else ''}: max "
+          f"{gap['max_abs']:.3g}, mean {gap['mean_abs']:.3g} (largest logit {gap['max_abs_logit']:.3g}), top-1 "
+          f"agreement {100 * gap['top1_agreement']:.2f} %" + (" (query biases dropped)" if r["query_bias_dropped"] else ""))
 
 
 def cmd_eval_ppl(args) -> None:
@@ -233,10 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("export", help="write an MLA model in another model format (DeepSeek-V3) for serving engines")
+    p = sub.add_parser("export", help="write an MLA model in another model format for serving engines: DeepSeek-V3 "
+                                      "(transformers, vLLM, SGLang) or GGUF (llama.cpp)")
     p.add_argument("model", help="MLA checkpoint directory")
-    p.add_argument("out", help="output directory (written atomically)")
-    p.add_argument("--format", default="deepseek-v3", choices=["deepseek-v3"])
+    p.add_argument("out", help="output directory (deepseek-v3) or .gguf file (gguf), written atomically")
+    p.add_argument("--format", default="deepseek-v3", choices=["deepseek-v3", "gguf"])
+    p.add_argument("--type", default=None, choices=["f16", "bf16", "q8_0"],
+                   help="gguf: tensor type of the matrices (default f16; norms and attn_kv_a_mqa stay F32)")
     p.add_argument("--pad-for", default=None, choices=["vllm"],
                    help="pad to an engine's kernel shapes (vllm: kv_lora_rank 512, qk_rope_head_dim 64)")
     p.add_argument("--latent-norm", default="near_linear", choices=LATENT_NORMS,
@@ -244,10 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "near_linear: the norm kept in its near-linear range, the smaller gap measured)")
     p.add_argument("--drop-query-bias", action="store_true",
                    help="export a model with query biases (Qwen2) without them; the logits gap is printed")
-    p.add_argument("--source", default=None, help="the original model, read for its RoPE scaling parameters")
+    p.add_argument("--source", default=None,
+                   help="the original model: read for its RoPE scaling parameters; gguf: its GGUF file, whose "
+                        "tokenizer is carried over (default: the MLA config's source_model)")
     p.add_argument("--calib-data", nargs="+", default=None,
                    help="text for the latent norm's statistics and the gap (default: Wikipedia shards)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_export)
 
