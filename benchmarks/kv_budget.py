@@ -15,12 +15,14 @@ joint activation-aware factorisation, β = 0.25 / 1 / 4, for the default recipe 
 56-wide latent; 24 + 48 before the round-by-round RoPE allocation) and for 2-norm r=4 (no refit,
 so the factorisation is seen alone), and β chosen by held-in loss (--kv-balance auto) for the
 default recipe.
-Then the recovery curve at budget 72, paper vs best: one fine-tuning run of the largest step count
-(batch 4 × 256, the paper's optimizer and schedule) per recipe, perplexity measured before it and
-after each listed step.
+  best, query keys   the default recipe with query-aware key factorisation (--init query)
+Then the recovery curve at budget 72 (--recovery-rows, default paper, best and best with query keys):
+one fine-tuning run of the largest step count (batch 4 × 256, the paper's optimizer and schedule) per
+recipe, perplexity measured before it and after each listed step.
 
     python benchmarks/kv_budget.py [--budgets 48,72,120] [--search 48,72,120] [--per-layer 72,120]
-                                   [--recovery-steps 10,25,50] [--part all|budgets|balance|recovery]
+                                   [--recovery-steps 10,25,50] [--recovery-rows NAME ...]
+                                   [--part all|budgets|balance|recovery]
                                    [--rows NAME ...]
 """
 
@@ -53,6 +55,7 @@ def configs(budget: int, search: bool, per_layer: bool) -> dict:
         "2-norm + vo refit": dict(two_norm, refit="vo"),
         "best": dict(kv_budget=budget) if search else dict(d_kv=d_kv),  # convert_model's defaults = default recipe
         "best, per-layer split": dict(kv_budget=budget, per_layer_split=True) if per_layer else None,
+        "best, query keys": dict(kv_budget=budget, init="query") if search else dict(d_kv=d_kv, init="query"),
     }
 
 
@@ -77,6 +80,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--recovery-steps", default="10,25,50")
     parser.add_argument("--recovery-budget", type=int, default=72)
+    parser.add_argument("--recovery-rows", nargs="*", default=["paper", "best", "best, query keys"],
+                        help="conversions of the budget table to fine-tune (names as printed)")
     parser.add_argument("--search", default="48,72,120", help="budgets where `best` runs the split search "
                         "(elsewhere it uses the default recipe's RoPE share)")
     parser.add_argument("--per-layer", default="120", help="budgets with a per-layer-split row")
@@ -137,8 +142,9 @@ def main() -> None:
     if args.part in ("all", "recovery"):
         steps = list(map(int, args.recovery_steps.split(",")))
         curve = {}
-        for name in ("paper", "best"):
-            kw = configs(args.recovery_budget, False, False)[name]
+        listed = configs(args.recovery_budget, False, False)
+        for name in (n for n in listed if n in args.recovery_rows):
+            kw = listed[name]
             mla, ppl, _ = convert(name, kw)
             evals = EvalAt(steps, tok, args.windows, name)
             with tempfile.TemporaryDirectory() as out:
