@@ -5,7 +5,8 @@ tokens), the held-in loss the budget search saw (when it compared several splits
 time, for the default recipe (RoPE concentration, activation-aware SVD, refit vo, the split searched
 by `--kv-budget`) with
     uniform      every layer the same latent width (today's default)
-    global       the same total spread over the layers by their spectra (--allocate global)
+    global       the same total spread over the layers, RoPE dims and latent width per layer, by their
+                 measured attention-output error curves (--allocate global)
     query        query-aware key factorisation (--init query), uniform
     global+query both
 and for the paper's per-head partial RoPE (2-norm, r = d_h/16, refit vo) with activation-aware and

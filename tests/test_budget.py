@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import tiny_source
 
+from mha2mla.budget import budget_splits
 from mha2mla.convert import convert_model
 from mha2mla.rope_layout import layout_for
 from mha2mla.rope_pca import pca_basis
@@ -219,17 +220,28 @@ def test_d_kv_names_the_cache_in_the_papers_terms():
     assert paper_d_kv(uneven) == pytest.approx((72 + 74) / 2 / 3 - 8, abs=0.01)
 
 
-def test_allocate_widths_is_the_global_top_of_the_normalised_spectra():
-    from mha2mla.allocate import allocate_widths
+def test_allocation_is_the_least_summed_error_at_exactly_the_total():
+    from mha2mla.allocate import allocate, interpolate, width_grid
 
-    flat = torch.full((8,), 1 / 8, dtype=torch.float64)               # every dim worth the same
-    steep = torch.tensor([0.6, 0.2, 0.1, 0.05, 0.05, 0, 0, 0], dtype=torch.float64)
-    assert allocate_widths([flat, steep], total=4, caps=[8, 8]) == [2, 2]   # 0.2, then 1/8 before 0.1
-    assert allocate_widths([flat, steep], total=8, caps=[8, 8]) == [6, 2]   # 0.2, then 0.125 × 5
-    assert allocate_widths([flat, steep], total=10, caps=[5, 8]) == [5, 5]  # the cap holds
-    assert allocate_widths([steep, steep], total=2, caps=[8, 8]) == [1, 1]  # at least one dim each
+    assert interpolate({2: 1.0, 4: 0.0, 5: 0.0}) == {2: 1.0, 3: 0.5, 4: 0.0, 5: 0.0}
+    assert width_grid(8, cap=12) == [2, 4, 6, 8, 10, 12]        # GRID × 8, the 16 and 24 capped at 12
+    rope_values = {1: 2, 2: 4}
+    # layer 0 gains a lot from RoPE (r = 2), layer 1 from latent width; r = 1 everywhere is the uniform split
+    flat = {(1, 2): 0.5, (1, 6): 0.4, (2, 2): 0.05, (2, 6): 0.05}
+    steep = {(1, 2): 0.9, (1, 6): 0.1, (2, 2): 0.9, (2, 6): 0.1}
+    assert allocate([flat, steep], rope_values, total=2 * 6) == [(2, 2), (1, 4)]
+    # brute force over every interpolated choice agrees, at several totals
+    def error(curve, r, w):
+        return interpolate({x: e for (s, x), e in curve.items() if s == r})[w]
+    for total in range(8, 17):
+        options = [(r, w) for r in (1, 2) for w in range(2, 7)]
+        feasible = [(error(flat, *a) + error(steep, *b), [a, b]) for a in options for b in options
+                    if rope_values[a[0]] + a[1] + rope_values[b[0]] + b[1] == total]
+        got = allocate([flat, steep], rope_values, total)
+        assert sum(rope_values[r] + w for r, w in got) == total
+        assert error(flat, *got[0]) + error(steep, *got[1]) == pytest.approx(min(feasible)[0])
     with pytest.raises(ValueError):
-        allocate_widths([flat, steep], total=17, caps=[8, 8])
+        allocate([flat, steep], rope_values, total=30)
 
 
 @pytest.mark.parametrize("strategy", ["pca", "2-norm"])
@@ -243,8 +255,8 @@ def test_global_allocation_keeps_the_total_and_decodes_exactly(strategy, tokeniz
                            progress=False)
     c = mla.config
     per_layer = [c.kv_elements_at(i) for i in range(3)]
-    assert sum(per_layer) == 3 * budget and len(set(c.layer_rope_pairs)) == 1
-    assert c.conversion["allocate"] == "global"
+    assert sum(per_layer) == 3 * budget and c.conversion["allocate"] == "global"
+    assert set(c.layer_rope_pairs) <= {r for r, _ in budget_splits(src.config, budget, layout_for(strategy, src.config))}
     report = kv_size_of(tmp_path / "mla")
     assert report["kv_elements_per_token_per_layer"] == budget
     assert report["per_layer"] == {"min": min(per_layer), "mean": budget, "max": max(per_layer)}

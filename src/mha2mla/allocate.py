@@ -1,85 +1,118 @@
-"""Global latent allocation: one total cache budget, latent widths that differ by layer.
+"""Global allocation: one total cache budget, each layer its own RoPE dims and latent width.
 
-The uniform conversion gives every layer the same latent width ℓ. Layers differ in how much of their
-keys and values a rank-ℓ latent keeps, so the same total can be spent better. The factorisation
-(lowrank) of layer i's M_i = [W_k_nope; W_v] at rank ℓ leaves the error
+The uniform conversion gives every layer the same split (r RoPE pairs, latent ℓ). Layers differ in
+what a split costs them, so the same total can be spent better. The criterion is measured: layer i
+converted at split (r, ℓ) (RoPE layout and factorisation, as the conversion does them, before any
+refit) attends on the source's own calibration hidden states h_i, and its attention output misses
+the source's by
 
-    e_i(ℓ) = Σ_{j > ℓ} σ_ij² / Σ_j σ_ij²,     σ_ij the singular values of S_i M_i L_i (C_i = L_i L_iᵀ),
+    e_i(r, ℓ) = Σ ‖o_MLA − o_src‖² / Σ ‖h_i‖²,
 
-the share of the layer's key and value energy on its calibration activations that the latent drops,
-weighted as the factorisation weights it (S_i: the query-aware or output-aware row weights, or none).
-Each e_i is convex and decreasing in ℓ, so the greedy allocation of one latent dim at a time to the
-layer whose error drops most — the largest remaining normalised σ_ij² — is the global top-(n·ℓ) of
-all layers' normalised squared singular values (CARE's global criterion on this error), with every
-layer kept within [1, its available rank]. The total, and so the mean cache per layer, is exactly
-the uniform one's; the RoPE part (r pairs) stays the same in every layer.
+the error as a perturbation of the residual stream the layer adds to (relative to the stream, not to
+the layer's own output, so that a layer whose attention adds little counts little). Each layer's
+curve is measured for every r the budget offers, at widths GRID × that r's uniform latent (within
+[1, the layout's largest]), and taken linear between them. The allocation minimises Σ_i e_i(r_i, ℓ_i)
+subject to Σ_i (RoPE values(r_i) + ℓ_i) = n_layers × budget exactly, by dynamic programming over the
+total: the global optimum of the interpolated curves, so the mean cache per layer is exactly the
+budget. Greedy marginal gain per value would equal it only for convex curves, which RoPE steps are not.
 
-The spectra come from one streaming pass over the source (`layer_spectra`: each layer's statistics on
-the source's own hidden states, the RoPE layout's position-free rows at r, one SVD), before the
-conversion proper.
+The curves come from one streaming pass over the source (`error_curves`: one source layer at a time,
+each split converted by the caller's `build`), before the conversion proper.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .calibration import layer_stats, source_layer_step, source_pass
-from .lowrank import cholesky_factor, row_weights
 from .weights import load_module
 
-
-def normalised_spectrum(position_free_rows: torch.Tensor, values: torch.Tensor, chol: torch.Tensor | None,
-                        k_weight: torch.Tensor | None = None, v_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """σ_j² / Σ σ² of S [W_k_nope; W_v] L (the matrix the factorisation truncates), descending."""
-    target = torch.cat([position_free_rows.double(), values.double()])
-    if chol is not None:
-        target = target @ chol
-    if k_weight is not None:
-        target = torch.block_diag(k_weight, v_weight) @ target
-    s = torch.linalg.svdvals(target)
-    energy = s.pow(2)
-    return energy / energy.sum()
+GRID = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)  # widths measured, as multiples of the uniform latent
 
 
-def allocate_widths(spectra: list[torch.Tensor], total: int, caps: list[int]) -> list[int]:
-    """Latent width per layer: the `total` largest normalised squared singular values over all layers,
-    at least 1 and at most caps[i] in layer i."""
-    n = len(spectra)
-    if not n <= total <= sum(caps):
-        raise ValueError(f"cannot spread {total} latent dims over {n} layers of at most {caps}")
-    widths = [1] * n
-    gains = torch.cat([s[1:cap] for s, cap in zip(spectra, caps)])
-    owner = torch.cat([torch.full((max(cap - 1, 0),), i) for i, cap in enumerate(caps)])
-    for i in owner[gains.argsort(descending=True)[: total - n]].tolist():
-        widths[i] += 1
-    return widths
+def width_grid(uniform: int, cap: int) -> list[int]:
+    """The latent widths measured around a uniform width: GRID × uniform, within [1, cap]."""
+    return sorted({min(cap, max(1, round(uniform * f))) for f in GRID})
+
+
+def interpolate(points: dict[int, float]) -> dict[int, float]:
+    """Every integer width from the smallest measured to the largest, linear between measured ones."""
+    widths = sorted(points)
+    curve = {widths[0]: points[widths[0]]}
+    for a, b in zip(widths, widths[1:]):
+        for w in range(a + 1, b + 1):
+            curve[w] = points[a] + (points[b] - points[a]) * (w - a) / (b - a)
+    return curve
+
+
+def allocate(curves: list[dict[tuple[int, int], float]], rope_values: dict[int, int], total: int
+             ) -> list[tuple[int, int]]:
+    """Per layer the split (r, ℓ) minimising the summed error with Σ (rope_values[r] + ℓ) = total.
+
+    `curves[i]`: layer i's error at measured splits; between the measured widths of one r it is
+    interpolated. Dynamic programming over the values spent so far: best[c] is the least error of
+    the layers so far at exactly c values."""
+    inf = float("inf")
+    best = torch.full((total + 1,), inf, dtype=torch.float64)
+    best[0] = 0.0
+    choices = []
+    for curve in curves:
+        options = []
+        for r in sorted({r for r, _ in curve}):
+            for width, error in interpolate({w: e for (s, w), e in curve.items() if s == r}).items():
+                options.append((r, width, rope_values[r] + width, error))
+        step = torch.full_like(best, inf)
+        pick = torch.full((total + 1,), -1, dtype=torch.long)
+        for k, (_, _, cost, error) in enumerate(options):
+            if cost > total:
+                continue
+            candidate = best[:total + 1 - cost] + error
+            better = candidate < step[cost:]
+            step[cost:] = torch.where(better, candidate, step[cost:])
+            pick[cost:][better] = k
+        best = step
+        choices.append((options, pick))
+    if best[total] == inf:
+        raise ValueError(f"no per-layer splits reach exactly {total} values")
+    splits, spent = [], total
+    for options, pick in reversed(choices):
+        r, width, cost, _ = options[int(pick[spent])]
+        splits.append((r, width))
+        spent -= cost
+    return splits[::-1]
 
 
 @torch.no_grad()
-def layer_spectra(src, blocks: torch.Tensor, layout, rope_pairs: int, init: str, kv_balance: float,
-                  dtype: torch.dtype, batch: int) -> list[torch.Tensor]:
-    """Each layer's normalised spectrum for a latent after the RoPE layout at `rope_pairs`, weighted as
-    the factorisation `init` weights it (lowrank), measured on the source's own hidden states
-    (streaming: one source layer at a time, `batch` blocks per pass)."""
+def error_curves(src, blocks: torch.Tensor, layout, splits: list[tuple[int, int]], build: Callable,
+                 dtype: torch.dtype, batch: int) -> list[dict[tuple[int, int], float]]:
+    """Each layer's e_i(r, ℓ) for every r of `splits` (the budget's (r, uniform latent) splits) at the
+    widths of width_grid, measured on the source's own hidden states (streaming: one source layer at a
+    time, `batch` blocks per pass). `build(idx, src_attn, stats, measured, (r, ℓ))` → the layer's MLA
+    attention converted at that split."""
     config, reader = src.config, src.reader
     blocks = blocks.to(torch.get_default_device())
-    seq = blocks.shape[1]
-    run = source_pass(config, seq, dtype)
-    skeleton, inv_freq = run.skeleton, run.inv_freq
-    embed = load_module(reader, skeleton.model.embed_tokens, "model.embed_tokens.", reader.dtype)
+    run = source_pass(config, blocks.shape[1], dtype)
+    embed = load_module(reader, run.skeleton.model.embed_tokens, "model.embed_tokens.", reader.dtype)
     hidden = [embed(blocks[i:i + batch]).to(dtype) for i in range(0, len(blocks), batch)]
     del embed
-    spectra = []
+    curves = []
     for idx in range(config.num_hidden_layers):
-        layer = load_module(reader, skeleton.model.layers[idx], f"model.layers.{idx}.", dtype)
+        layer = load_module(reader, run.skeleton.model.layers[idx], f"model.layers.{idx}.", dtype)
         stats = layer_stats(layer, hidden, config)
-        choice = layout.choose(layout.measure(layer.self_attn, stats), rope_pairs, inv_freq, seq)
-        attn = layer.self_attn
-        position_free = layout.position_free(attn, choice)
-        chol = cholesky_factor(stats.cov) if init != "weight" else None
-        weights = row_weights(attn, position_free, stats, chol, init, kv_balance, config.num_attention_heads //
-                              config.num_key_value_heads, attn.head_dim)
-        spectra.append(normalised_spectrum(position_free.weight, attn.v_proj.weight, chol, *weights))
+        measured = layout.measure(layer.self_attn, stats)
+        targets = [layer.self_attn(x, position_embeddings=run.rope, attention_mask=run.causal)[0]
+                   for x in stats.inputs]
+        stream = sum(h.double().pow(2).sum().item() for h in hidden)
+        curve = {}
+        for r, uniform in splits:
+            for width in width_grid(uniform, layout.max_latent(r)):
+                attn = build(idx, layer.self_attn, stats, measured, (r, width))
+                error = sum((attn(x, run.position_ids.expand(x.shape[0], -1), run.causal) - t).double().pow(2)
+                            .sum().item() for x, t in zip(stats.inputs, targets))
+                curve[r, width] = error / stream
+        curves.append(curve)
         step = source_layer_step(layer, run.causal, run.position_ids, run.rope)
         hidden = [step(h) for h in hidden]
-    return spectra
+    return curves

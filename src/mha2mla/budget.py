@@ -30,21 +30,21 @@ AUTO_BALANCES = (0.25, 1.0, 4.0)  # K/V balances β tried by --kv-balance auto
 class Candidate:
     """One conversion the search tries: the splits each layer may choose among (one: every layer
     takes it; several: --per-layer-split), the K/V balance β of the factorisation, and optionally
-    each layer's own latent width at the one split's r (global allocation, allocate)."""
+    each layer's own split, allocated from one total (global allocation, allocate)."""
     splits: tuple[tuple[int, int], ...]
     kv_balance: float
-    layer_latents: tuple[int, ...] | None = None
+    layer_splits: tuple[tuple[int, int], ...] | None = None
 
     def options(self, layer: int) -> list[tuple[int, int]]:
         """The (rope_pairs, latent_dim) splits layer `layer` may take."""
-        if self.layer_latents is not None:
-            return [(self.splits[0][0], self.layer_latents[layer])]
+        if self.layer_splits is not None:
+            return [self.layer_splits[layer]]
         return list(self.splits)
 
     @property
     def per_layer(self) -> bool:
         """Whether layers may end up with different splits."""
-        return len(self.splits) > 1 or self.layer_latents is not None
+        return len(self.splits) > 1 or self.layer_splits is not None
 
 
 def budget_splits(config, budget: int, layout) -> list[tuple[int, int]]:
@@ -108,8 +108,7 @@ def search(candidates: list[Candidate], convert, directory: Path):
             record = describe(config, candidate)
             tried.append({**record, "kv_balance": candidate.kv_balance, "held_in_loss": loss})
             rope = config.n_rope_heads * 2 * config.rope_pairs
-            what = (f"rope dims {rope}, latent {min(candidate.layer_latents)}–{max(candidate.layer_latents)} by layer"
-                    if candidate.layer_latents else "per layer" if candidate.per_layer
+            what = (allocated(config) if candidate.layer_splits else "per layer" if candidate.per_layer
                     else f"rope dims {rope}, latent {config.latent_dim}")
             print(f"  candidate: {what}, K/V balance {candidate.kv_balance:g} → held-in loss {loss:.4f}",
                   file=sys.stderr)
@@ -124,6 +123,14 @@ def search(candidates: list[Candidate], convert, directory: Path):
         file.rename(directory / file.name)
     where.rmdir()
     return config, candidate, tried
+
+
+def allocated(config) -> str:
+    """The spread of an allocated conversion's RoPE dims and latent widths over the layers."""
+    n = range(config.num_hidden_layers)
+    rope = [config.n_rope_heads * 2 * config.rope_pairs_at(i) for i in n]
+    latent = [config.latent_dim_at(i) for i in n]
+    return f"rope dims {min(rope)}–{max(rope)}, latent {min(latent)}–{max(latent)} by layer"
 
 
 def describe(config, candidate: Candidate) -> dict:

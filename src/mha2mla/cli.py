@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a budget: each layer picks its own RoPE/latent split by its attention-output error "
                         "on the calibration text (instead of one split for all layers)")
     p.add_argument("--allocate", default="uniform", choices=ALLOCATIONS,
-                   help="global: spread the latent over the layers by their measured spectra (same total, "
-                        "widths differ by layer); uniform: every layer the same width")
+                   help="global: spread the cache over the layers, each its own RoPE dims and latent width, by "
+                        "their measured attention-output error (same total); uniform: every layer the same split")
     p.add_argument("--latent-norm", default=None, choices=LATENT_NORMS,
                    help="give the MLA model DeepSeek's RMSNorm on the latent (kv_a_layernorm), keeping its "
                         "function: near_linear (latent scaled into the norm's linear range) or rms; the "

@@ -26,14 +26,13 @@ import resource
 import tempfile
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .allocate import allocate_widths, layer_spectra
+from .allocate import allocate, error_curves
 from .atomic import save_atomically
 from .budget import HELD_IN_BLOCKS, Candidate, budget_splits, candidates_for, d_kv_split, kv_balances, search
 from .calibration import layer_stats, source_layer_step, source_pass
@@ -60,7 +59,7 @@ RECIPES = {
     "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False, refit="none"),
 }
 CALIB_BATCH = 4  # calibration blocks per forward pass
-ALLOCATIONS = ("uniform", "global")  # how a split's latent width is spread over the layers
+ALLOCATIONS = ("uniform", "global")  # how the cache budget is spread over the layers
 
 
 def check_output_dir(out, overwrite: bool) -> None:
@@ -122,6 +121,35 @@ def factorise(src, dst, position_free: PositionFree, stats, latent: int, svd: st
         dst.v_up.bias.copy_(src.v_proj.bias)
     if src.o_proj.bias is not None:
         dst.o_proj.bias.copy_(src.o_proj.bias)
+
+
+def conversion_config(src, layout, split: tuple[int, int], svd: str, run) -> MLAConfig:
+    """The MLA config a conversion fills layer by layer: `split` (r, latent) in every layer until a
+    layer is converted (convert_attention sets its own), RoPE frequencies to be set per layer."""
+    config, n_layers = src.config, src.config.num_hidden_layers
+    rope_pairs, latent = split
+    half = head_dim_of(config) // 2
+    placeholder = [[[i % half for i in range(rope_pairs)]] * layout.n_rope_keys] * n_layers
+    mla_config = mla_config_for(
+        config, rope_pairs=rope_pairs, latent_dim=latent, rope_layout=layout.name, svd=svd, kept_pairs=placeholder,
+        inv_freq=run.inv_freq, scaling=float(getattr(run.rotary, "attention_scaling", 1.0)), source_name=src.name)
+    mla_config.dtype = src.reader.dtype
+    mla_config.layer_rope_pairs, mla_config.layer_latent_dims = [rope_pairs] * n_layers, [latent] * n_layers
+    return mla_config
+
+
+def convert_attention(mla_config, idx: int, src_attn, stats, measured, split: tuple[int, int], *, layout,
+                      inv_freq: list[float], seq: int, svd: str, init: str, kv_balance: float, dtype):
+    """Stages 1 and 2 of layer idx at split (r, width) → (MLA attention, RoPE frequencies kept)."""
+    r, width = split
+    mla_config.layer_rope_pairs[idx], mla_config.layer_latent_dims[idx] = r, width
+    attn = MLAAttention(mla_config, idx).to(dtype)
+    choice = layout.choose(measured, r, inv_freq, seq)
+    kept = layout.frequencies(choice)
+    attn.set_rope_pairs(kept, inv_freq)
+    layout.fill(src_attn, attn, choice)
+    factorise(src_attn, attn, layout.position_free(src_attn, choice), stats, width, svd, init, kv_balance)
+    return attn, kept
 
 
 def copy_layer_rest(src_layer, mla_layer) -> None:
@@ -216,8 +244,9 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     (refit); "none" keeps the factorisation's own. `per_layer_split` (with a budget): every layer
     picks its own split among the budget's candidates, by the error of its attention output on the
     calibration inputs (convert_once), instead of one split for all layers. `allocate`: "uniform"
-    gives every layer the split's latent width; "global" spreads the same total over the layers by
-    their measured spectra (allocate). `latent_norm` ("near_linear" or "rms", latent_norm.METHODS):
+    gives every layer the split; "global" spreads the same total over the layers, each its own RoPE
+    dims (among the budget's splits) and latent width, by their measured attention-output error
+    curves (allocate). `latent_norm` ("near_linear" or "rms", latent_norm.METHODS):
     every layer gets DeepSeek's RMSNorm on the latent, keeping its function by that method, so that
     fine-tuning happens with it and the DeepSeek-V3 export is exact. `dtype`: the precision
     of the forward passes (statistics and factorisations are float64 whatever it is); the checkpoint
@@ -256,7 +285,7 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     if allocate not in ALLOCATIONS:
         raise UserError(f"unknown --allocate {allocate}: use one of {', '.join(ALLOCATIONS)}")
     if allocate == "global" and (per_layer_split or svd == "split"):
-        raise UserError("--allocate global sets each layer's latent width itself: drop --per-layer-split and "
+        raise UserError("--allocate global sets each layer's split itself: drop --per-layer-split and "
                         "--svd split")
     candidates = candidates_for(splits, kv_balances(kv_balance), per_layer_split)
     n_held_in = HELD_IN_BLOCKS if len(candidates) > 1 else 0
@@ -267,7 +296,7 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
                         f"after the calibration samples: add text or lower --calib-samples/--calib-seq-len")
     if allocate == "global":
         with torch.device(device):
-            candidates = globally_allocated(src, calib, layout, candidates, init, dtype)
+            candidates = globally_allocated(src, calib, layout, candidates, svd=svd, init=init, dtype=dtype)
     settings = dict(layout=layout, svd=svd, init=init, sequential=sequential, refit=refit, latent_norm=latent_norm,
                     dtype=dtype, progress=progress)
 
@@ -296,18 +325,25 @@ def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | 
     return result[0], src.tokenizer
 
 
-def globally_allocated(src, calib: torch.Tensor, layout, candidates: list[Candidate], init: str,
+def globally_allocated(src, calib: torch.Tensor, layout, candidates: list[Candidate], *, svd: str, init: str,
                        dtype) -> list[Candidate]:
-    """The candidates with each layer's latent width allocated from the source's spectra at their r
-    and K/V balance, weighted as `init` factors (allocate), the total that of their uniform split."""
-    n_layers, spectra = src.config.num_hidden_layers, {}
+    """One candidate per K/V balance, each layer's split (r among the candidates', latent width) allocated
+    from the layers' measured error curves (allocate), the total that of the uniform splits."""
+    n_layers, splits = src.config.num_hidden_layers, sorted({split for c in candidates for split in c.splits})
+    rope_values = {r: layout.n_rope_keys * 2 * r for r, _ in splits}
+    total = n_layers * (rope_values[splits[0][0]] + splits[0][1])
+    run = source_pass(src.config, calib.shape[1], dtype)
     allocated = []
-    for c in candidates:
-        r, latent = c.splits[0]
-        if (r, c.kv_balance) not in spectra:
-            spectra[r, c.kv_balance] = layer_spectra(src, calib, layout, r, init, c.kv_balance, dtype, CALIB_BATCH)
-        widths = allocate_widths(spectra[r, c.kv_balance], latent * n_layers, [layout.max_latent(r)] * n_layers)
-        allocated.append(replace(c, layer_latents=tuple(widths)))
+    for balance in dict.fromkeys(c.kv_balance for c in candidates):
+        mla_config = conversion_config(src, layout, splits[0], svd, run)
+
+        def build(idx, src_attn, stats, measured, split):
+            return convert_attention(mla_config, idx, src_attn, stats, measured, split, layout=layout,
+                                     inv_freq=run.inv_freq, seq=calib.shape[1], svd=svd, init=init,
+                                     kv_balance=balance, dtype=dtype)[0]
+
+        curves = error_curves(src, calib, layout, splits, build, dtype, CALIB_BATCH)
+        allocated.append(Candidate(tuple(splits), balance, layer_splits=tuple(allocate(curves, rope_values, total))))
     return allocated
 
 
@@ -350,17 +386,9 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
     n_layers = config.num_hidden_layers
     seq = blocks.shape[1]
     run = source_pass(config, seq, dtype)
-    skeleton, rotary, inv_freq = run.skeleton, run.rotary, run.inv_freq
+    skeleton, inv_freq = run.skeleton, run.inv_freq
     position_ids, causal, rope = run.position_ids, run.causal, run.rope
-    rope_pairs, latent = candidate.splits[0]
-    half = head_dim_of(config) // 2
-    placeholder = [[[i % half for i in range(rope_pairs)]] * layout.n_rope_keys] * n_layers  # set per layer
-    mla_config = mla_config_for(
-        config, rope_pairs=rope_pairs, latent_dim=latent, rope_layout=layout.name, svd=svd, kept_pairs=placeholder,
-        inv_freq=inv_freq, scaling=float(getattr(rotary, "attention_scaling", 1.0)), source_name=src.name)
-    mla_config.dtype = reader.dtype
-    # every layer's split, set as each layer is converted (MLAAttention reads its widths from the config)
-    mla_config.layer_rope_pairs, mla_config.layer_latent_dims = [rope_pairs] * n_layers, [latent] * n_layers
+    mla_config = conversion_config(src, layout, candidate.splits[0], svd, run)
     kept_all, norm_eps = [], []
     # the embeddings stay in the storage dtype (for a bf16 source, half the float32 table): only the
     # looked-up rows are cast to the forward passes' dtype, exactly
@@ -370,17 +398,10 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
     writer = ShardWriter(directory)
     out_dtype = reader.dtype
 
-    def attention(idx, src_attn, stats, measured, r, width):
-        """Stages 1 and 2 of layer idx at split (r, width) → (MLA attention, RoPE frequencies kept)."""
-        mla_config.layer_rope_pairs[idx], mla_config.layer_latent_dims[idx] = r, width
-        attn = MLAAttention(mla_config, idx).to(dtype)
-        choice = layout.choose(measured, r, inv_freq, seq)
-        kept = layout.frequencies(choice)
-        attn.set_rope_pairs(kept, inv_freq)
-        layout.fill(src_attn, attn, choice)
-        factorise(src_attn, attn, layout.position_free(src_attn, choice), stats, width, svd, init,
-                  candidate.kv_balance)
-        return attn, kept
+    def attention(idx, src_attn, stats, measured, split):
+        return convert_attention(mla_config, idx, src_attn, stats, measured, split, layout=layout,
+                                 inv_freq=inv_freq, seq=seq, svd=svd, init=init, kv_balance=candidate.kv_balance,
+                                 dtype=dtype)
 
     for idx in tqdm(range(n_layers), desc="converting layers", disable=not progress):
         src_layer = load_module(reader, skeleton.model.layers[idx], f"model.layers.{idx}.", dtype)
@@ -390,10 +411,10 @@ def convert_once(src, blocks, held_in, candidate: Candidate, directory: Path, *,
         layer = MLADecoderLayer(mla_config, idx).to(dtype).eval()
         options = candidate.options(idx)
         if len(options) == 1:
-            layer.self_attn, kept = attention(idx, src_attn, stats, measured, *options[0])
+            layer.self_attn, kept = attention(idx, src_attn, stats, measured, options[0])
         else:
             targets = [src_attn(x, position_embeddings=rope, attention_mask=causal)[0] for x in stats.inputs]
-            tried = [(split, *attention(idx, src_attn, stats, measured, *split)) for split in options]
+            tried = [(split, *attention(idx, src_attn, stats, measured, split)) for split in options]
             errors = [attention_error(attn, stats.inputs, targets, causal, position_ids) for _, attn, _ in tried]
             split, layer.self_attn, kept = tried[errors.index(min(errors))]
             mla_config.layer_rope_pairs[idx], mla_config.layer_latent_dims[idx] = split
