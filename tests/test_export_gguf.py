@@ -30,6 +30,9 @@ from mha2mla.modeling import MLAConfig
 from test_export import convert_tiny
 
 T = gguf.GGMLQuantizationType
+# llama.cpp's largest logit difference to the float32 MLA model, relative to the largest logit: F16 weights and
+# KV cache (measured on SmolLM2 at 72 values: 1.4e-3)
+LLAMA_CPP_GAP = 5e-3
 # largest error of one stored value relative to the largest |value| of its row (F16/BF16) or 32-block (Q8_0)
 ROUNDING = {T.F32: 0.0, T.F16: 2**-11, T.BF16: 2**-8, T.Q8_0: 1 / 127}
 
@@ -240,3 +243,43 @@ def test_unknown_tensor_type_and_deepseek_options_are_refused(tmp_path, capsys):
     with pytest.raises(UserError, match="q8_0"):
         export_gguf(mla_config_dir(tmp_path), tmp_path / "m.gguf", tensor_type="q4_0")
     assert "--pad-for" in refusal(tmp_path, capsys, tmp_path / "mla", "--pad-for", "vllm")
+
+
+# --- opt-in: llama.cpp itself (make test-llama-cpp) ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_cpp(request):
+    if "llama_cpp" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("opt-in: make test-llama-cpp (pytest -m llama_cpp)")
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make test-llama-cpp)")
+
+
+@pytest.fixture(scope="module")
+def smollm2_b72_gguf(llama_cpp, tmp_path_factory):
+    """SmolLM2-135M converted by the default recipe at 72 values, and its f16 GGUF export."""
+    from mha2mla import convert
+
+    out = tmp_path_factory.mktemp("llama-cpp")
+    model, tokenizer = convert("smollm2-135m", out / "mla", kv_budget=72)
+    export_gguf(out / "mla", out / "mla.gguf")
+    return model.eval(), tokenizer, out / "mla.gguf"
+
+
+@pytest.mark.llama_cpp
+@torch.no_grad()
+def test_llama_cpp_runs_the_export_as_the_mla_model(llama_cpp, smollm2_b72_gguf):
+    """Token ids in (not text): llama.cpp's logits on a short sequence are the MLA model's within the F16
+    weights' and F16 KV cache's rounding, and its greedy continuation is the MLA model's."""
+    model, tokenizer, path = smollm2_b72_gguf
+    ids = tokenizer("The capital of France is Paris. The capital of Germany is", add_special_tokens=False)["input_ids"]
+    llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=2, logits_all=True, verbose=False)
+    llm.eval(ids)
+    logits = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float64))
+    want = model(torch.tensor([ids])).logits[0].double()
+    assert (logits - want).abs().max() < LLAMA_CPP_GAP * want.abs().max()
+    assert (logits.argmax(-1) == want.argmax(-1)).all()
+    greedy = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    for token in greedy:
+        assert int(np.argmax(llm.scores[llm.n_tokens - 1])) == token
+        llm.eval([token])
+    llm.close()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections import Counter
 
 from .errors import UserError
 from .convert import ALLOCATIONS, INITS, RECIPES
@@ -85,7 +87,9 @@ def _print_export(r: dict) -> None:
         print(f"wrote {r['out']} (llama.cpp deepseek2, {r['file_bytes'] / 1e6:.1f} MB; tensors: {types}; "
               f"kv_lora_rank {r['kv_lora_rank']}, rope dims {r['qk_rope_head_dim']}; tokenizer of {r['source_gguf']})")
         if r["f16_fallback"]:
-            print(f"  F16 instead of {r['tensor_type']} (rows not whole blocks): {', '.join(r['f16_fallback'])}")
+            kinds = Counter(re.sub(r"^blk\.\d+\.", "", name) for name in r["f16_fallback"])
+            print(f"  F16 instead of {r['tensor_type']} (rows not whole blocks): "
+                  + ", ".join(f"{kind} ({n})" for kind, n in kinds.items()))
     else:
         print(f"wrote {r['out']} ({r['format']}: kv_lora_rank {r['kv_lora_rank']}, qk_rope_head_dim "
               f"{r['qk_rope_head_dim']}, qk_nope_head_dim {r['qk_nope_head_dim']}, latent norm {r['latent_norm']})")

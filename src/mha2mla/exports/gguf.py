@@ -128,6 +128,11 @@ def safetensors_files(directory: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), directory / SAFE_WEIGHTS)
 
 
+def layer_order(name: str) -> list:
+    """Sort key putting model.layers.2 before model.layers.10."""
+    return [int(part) if part.isdigit() else part for part in name.split(".")]
+
+
 def plan(ds_dir: Path, ds: dict, wanted: T) -> list[Entry]:
     """Every GGUF tensor, from the DeepSeek-V3 checkpoint's headers alone (no tensor is read)."""
     names = gguf.get_tensor_name_map(ARCH, ds["num_hidden_layers"])
@@ -140,7 +145,7 @@ def plan(ds_dir: Path, ds: dict, wanted: T) -> list[Entry]:
 
     H, Dn, dv, L = ds["num_attention_heads"], ds["qk_nope_head_dim"], ds["v_head_dim"], ds["kv_lora_rank"]
     entries = []
-    for hf_name, file in sorted(safetensors_files(ds_dir).items()):
+    for hf_name, file in sorted(safetensors_files(ds_dir).items(), key=lambda item: layer_order(item[0])):
         if hf_name.endswith("kv_b_proj.weight"):
             for part, shape in (("k_b", (H, L, Dn)), ("v_b", (H, dv, L))):
                 name = gguf_name(hf_name.replace("kv_b_proj", f"{part}_proj"))
