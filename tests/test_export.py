@@ -122,6 +122,15 @@ def test_export_from_a_checkpoint_streams_the_same_tensors(exported_tiny, tiny_m
     assert streamed["logits_gap"] == report["logits_gap"]
 
 
+def test_a_bfloat16_checkpoint_exports_in_bfloat16(tiny_mla_model, tokenizer, wiki_dir, tmp_path):
+    """The export keeps the checkpoint's dtype, and its gap is measured in it (DeepSeek's layers too)."""
+    copy.deepcopy(tiny_mla_model).to(torch.bfloat16).save_pretrained(tmp_path / "mla")
+    tokenizer.save_pretrained(tmp_path / "mla")
+    report = export_checkpoint(tmp_path / "mla", tmp_path / "ds", calib_data=[wiki_dir], calib_seq_len=64)
+    assert json.loads((tmp_path / "ds" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert report["logits_gap"]["max_abs"] < 0.05 * report["logits_gap"]["max_abs_logit"]
+
+
 def test_kv_size_reads_the_exported_checkpoint(exported_tiny, capsys):
     out, report = exported_tiny
     assert main(["kv-size", str(out), "--json"]) == 0

@@ -338,10 +338,10 @@ def layer_tensors(layer, kept_pairs, shape: Shape, norm, scales: tuple[float, fl
 
 
 def deepseek_layer(run_config: DeepseekV3Config, i: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """transformers' DeepSeek-V3 decoder layer i holding `tensors` (layer_tensors)."""
+    """transformers' DeepSeek-V3 decoder layer i holding `tensors` (layer_tensors), in their dtype."""
     with torch.device("meta"):
         layer = DeepseekV3DecoderLayer(run_config, i)
-    layer = layer.to_empty(device=torch.get_default_device())
+    layer = layer.to_empty(device=torch.get_default_device()).to(next(iter(tensors.values())).dtype)
     layer.load_state_dict(tensors)
     return layer.eval()
 
