@@ -17,8 +17,9 @@ Every conversion runs in a process of its own and reports that process's peak re
 For each it prints the bound the streaming converter aims at: embeddings + two layers (in the
 forward passes' float32) + calibration activations + 1 GB.
 
-`--export` also exports each random model's conversion to DeepSeek-V3 (`mha2mla export`, which reads
-the MLA checkpoint a layer at a time), in a process of its own, against the MLA checkpoint's size.
+`--export` also exports a random-initialised MLA checkpoint of each random size's shape (a shared RoPE
+key of 16 dims, a 56-wide latent, bf16, written tensor by tensor) to DeepSeek-V3 (`mha2mla export`,
+which reads it a layer at a time), in a process of its own, against the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -76,6 +77,32 @@ def write_random_llama(path: Path, config, tokenizer) -> int:
     return count
 
 
+def write_random_mla(path: Path, source_config, tokenizer) -> int:
+    """A random bf16 MLA checkpoint of the source's shape written one tensor at a time → its size in bytes."""
+    from mha2mla.modeling import MLAConfig, MLAForCausalLM
+    from mha2mla.weights import ShardWriter
+
+    c = source_config
+    half = c.head_dim // 2
+    config = MLAConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                       num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                       num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_layout="shared",
+                       rope_pairs=8, latent_dim=56, kept_pairs=[[list(range(0, half, half // 8))]] * c.num_hidden_layers,
+                       tie_word_embeddings=False, source_model="random")
+    config.dtype = torch.bfloat16
+    path.mkdir(parents=True)
+    with torch.device("meta"):
+        skeleton = MLAForCausalLM(config)
+    writer = ShardWriter(path)
+    for name, p in skeleton.state_dict().items():
+        tensor = torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape) * 0.02
+        writer.add(name, tensor.to(torch.bfloat16))
+    writer.close()
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
 def bound_gb(config) -> float:
     """Embeddings + two layers (float32) + calibration activations + 1 GB, in GB."""
     d, inter = config.hidden_size, config.intermediate_size
@@ -105,12 +132,11 @@ def one(args) -> None:
     print(json.dumps({"seconds": time.perf_counter() - start, "peak_bytes": peak}))
 
 
-def measure(source: str, out: Path, in_memory: bool = False, export: bool = False, keep: bool = False) -> dict:
+def measure(source: str, out: Path, in_memory: bool = False, export: bool = False) -> dict:
     cmd = ([sys.executable, __file__, "--one", source, "--out", str(out)] + (["--in-memory"] if in_memory else [])
            + (["--export"] if export else []))
     run = subprocess.run(cmd, capture_output=True, text=True)
-    if not keep:
-        shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
     if run.returncode != 0:
         return {"error": run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}"}
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -132,7 +158,8 @@ def main() -> None:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--in-memory", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--export", action="store_true", help="also export each random model's conversion")
+    parser.add_argument("--export", action="store_true", help="also export a random MLA model of each size")
+    parser.add_argument("--skip-convert", action="store_true", help="with --export: only the export rows")
     args = parser.parse_args()
     if args.one:
         args.source = args.one
@@ -157,16 +184,19 @@ def main() -> None:
         path = scratch / f"llama-{size}b"
         shutil.rmtree(path, ignore_errors=True)
         params = write_random_llama(path, config, tokenizer)
-        result = measure(str(path), scratch / "out", keep=args.export)
+        result = {"error": "not run (--skip-convert)"} if args.skip_convert else measure(str(path), scratch / "out")
         row(f"random Llama {size}B (bf16)", params, "streaming", result, bound_gb(config))
         shutil.rmtree(path)
-        if args.export and "peak_bytes" in result:
-            size_gb = sum(f.stat().st_size for f in (scratch / "out").glob("*.safetensors")) / 1e9
-            exported = measure(str(scratch / "out"), scratch / "ds", export=True)
-            shutil.rmtree(scratch / "out", ignore_errors=True)
-            row(f"its MLA conversion ({size_gb:.2f} GB) → DeepSeek-V3", params, "export", exported, bound_gb(config))
         if "peak_bytes" in result:
             growth.append((bound_gb(config), result["peak_bytes"] / 1e9))
+        if args.export:
+            mla = scratch / f"mla-{size}b"
+            shutil.rmtree(mla, ignore_errors=True)
+            size_gb = write_random_mla(mla, config, tokenizer) / 1e9
+            exported = measure(str(mla), scratch / "ds", export=True)
+            shutil.rmtree(mla)
+            row(f"random MLA of its shape ({size_gb:.2f} GB) → DeepSeek-V3", params, "export", exported,
+                bound_gb(config))
     if len(growth) >= 2:  # peak against the bound over the random Llama rows: peak ≈ a·bound + b
         (b0, m0), (b1, m1) = growth[-2], growth[-1]
         a = (m1 - m0) / (b1 - b0)

@@ -5,7 +5,7 @@ Budgets 48 / 72 / 120 cached values per token per layer (−87.5 / −81.25 / �
   paper    2-norm r=4, weight-only joint SVD, d_kv = budget/3 − 8 (the MHA2MLA recipe, --recipe paper)
   2-norm   2-norm r=4, activation-aware joint SVD (the conversion issue's default), without a refit,
            with the value refit (--refit v) and with the value and o_proj refit (--refit vo, the default)
-  best     the default recipe: RoPE concentration (pca, --freq-fold 4), activation-aware SVD, v_up and
+  best     the default recipe: RoPE concentration (pca, --freq-fold 4), query-aware SVD, v_up and
            o_proj refit; at the --search budgets the RoPE/latent split is chosen by the budget search
            on held-in text (candidates logged on stderr), elsewhere a quarter of the budget goes to RoPE
   best, per-layer split   the same with --per-layer-split (each layer picks its own split by its
@@ -15,8 +15,8 @@ joint activation-aware factorisation, β = 0.25 / 1 / 4, for the default recipe 
 56-wide latent; 24 + 48 before the round-by-round RoPE allocation) and for 2-norm r=4 (no refit,
 so the factorisation is seen alone), and β chosen by held-in loss (--kv-balance auto) for the
 default recipe.
-  best, query keys   the default recipe with query-aware key factorisation (--init query)
-Then the recovery curve at budget 72 (--recovery-rows, default paper, best and best with query keys):
+  best, activation keys   the previous default (until 2026-12-05): activation-aware keys (--init activation)
+Then the recovery curve at budget 72 (--recovery-rows, default paper, best and best with activation keys):
 one fine-tuning run of the largest step count (batch 4 × 256, the paper's optimizer and schedule) per
 recipe, perplexity measured before it and after each listed step.
 
@@ -55,7 +55,8 @@ def configs(budget: int, search: bool, per_layer: bool) -> dict:
         "2-norm + vo refit": dict(two_norm, refit="vo"),
         "best": dict(kv_budget=budget) if search else dict(d_kv=d_kv),  # convert_model's defaults = default recipe
         "best, per-layer split": dict(kv_budget=budget, per_layer_split=True) if per_layer else None,
-        "best, query keys": dict(kv_budget=budget, init="query") if search else dict(d_kv=d_kv, init="query"),
+        "best, activation keys": (dict(kv_budget=budget, init="activation") if search
+                                  else dict(d_kv=d_kv, init="activation")),
     }
 
 
@@ -80,7 +81,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--recovery-steps", default="10,25,50")
     parser.add_argument("--recovery-budget", type=int, default=72)
-    parser.add_argument("--recovery-rows", nargs="*", default=["paper", "best", "best, query keys"],
+    parser.add_argument("--recovery-rows", nargs="*", default=["paper", "best", "best, activation keys"],
                         help="conversions of the budget table to fine-tune (names as printed)")
     parser.add_argument("--search", default="48,72,120", help="budgets where `best` runs the split search "
                         "(elsewhere it uses the default recipe's RoPE share)")

@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "recipe); high, low, uniform, 2-norm = the paper's partial RoPE per KV head (paper: 2-norm)")
     p.add_argument("--freq-fold", type=int, default=None, help="pca: adjacent frequencies folded into one PCA")
     p.add_argument("--svd", default="joint", choices=["joint", "split"])
-    p.add_argument("--init", default=None, choices=INITS)
+    p.add_argument("--init", default=None, choices=INITS,
+                   help="how the latent factorisation weights errors (default: the recipe's; default recipe: query)")
     p.add_argument("--refit", default=None, choices=REFITS,
                    help="re-fit v_up (v) and then o_proj (vo) to the source's attention output on the "
                         "calibration text (default recipe: vo; paper: none)")

@@ -52,10 +52,10 @@ from .sources import head_dim_of, open_source
 from .weights import ShardWriter, load_module
 
 INITS = ("weight", "activation", "output", "query")
-# Named settings: `default` is the best measured on SmolLM2-135M (README; docs/experiments.md keeps
-# the measurements behind each choice); `paper` is the MHA2MLA paper's recipe.
+# Named settings: `default` is the best measured on SmolLM2-135M and Qwen2.5-0.5B (README;
+# docs/experiments.md keeps the measurements behind each choice); `paper` is the MHA2MLA paper's recipe.
 RECIPES = {
-    "default": dict(rope_strategy="pca", freq_fold=4, init="activation", sequential=True, refit="vo"),
+    "default": dict(rope_strategy="pca", freq_fold=4, init="query", sequential=True, refit="vo"),
     "paper": dict(rope_strategy="2-norm", freq_fold=1, init="weight", sequential=False, refit="none"),
 }
 CALIB_BATCH = 4  # calibration blocks per forward pass
@@ -217,7 +217,7 @@ def convert_model(source, out=None, **settings):
 
 
 def convert_checkpoint(source, out, *, d_kv: int | None = 16, rope_pairs: int | None = None,
-                       rope_strategy: str = "pca", svd: str = "joint", init: str = "activation",
+                       rope_strategy: str = "pca", svd: str = "joint", init: str = "query",
                        kv_budget: int | None = None, kv_reduction: float | None = None, freq_fold: int = 4,
                        kv_balance: float | str = 1.0, sequential: bool = True, refit: str = "vo",
                        per_layer_split: bool = False, allocate: str = "uniform", latent_norm: str | None = None,
