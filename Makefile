@@ -25,7 +25,7 @@ test: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra --durations=15
 
 # opt-in: the GGUF export run in llama.cpp. llama-cpp-python is a source distribution: pip builds llama.cpp
-# (≈ 17 min on 2 shared CPU cores here), then the tests marked llama_cpp run (a SmolLM2 conversion among them)
+# (955 s on 2 shared CPU cores here), then the tests marked llama_cpp run (a SmolLM2 conversion among them)
 test-llama-cpp: setup
 	$(PY) -m pip install --quiet llama-cpp-python==0.3.36
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra -m llama_cpp tests/test_export_gguf.py
