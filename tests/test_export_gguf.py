@@ -257,10 +257,10 @@ def llama_cpp(request):
 @pytest.fixture(scope="module")
 def smollm2_b72_gguf(llama_cpp, tmp_path_factory):
     """SmolLM2-135M converted by the default recipe at 72 values, and its f16 GGUF export."""
-    from mha2mla import convert
+    from mha2mla.convert import convert_model
 
     out = tmp_path_factory.mktemp("llama-cpp")
-    model, tokenizer = convert("smollm2-135m", out / "mla", kv_budget=72)
+    model, tokenizer = convert_model("smollm2-135m", out / "mla", kv_budget=72)
     export_gguf(out / "mla", out / "mla.gguf")
     return model.eval(), tokenizer, out / "mla.gguf"
 
