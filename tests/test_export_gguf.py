@@ -240,8 +240,10 @@ def test_a_source_that_is_not_gguf_is_refused(tmp_path, capsys):
 
 
 def test_unknown_tensor_type_and_deepseek_options_are_refused(tmp_path, capsys):
-    with pytest.raises(UserError, match="q8_0"):
-        export_gguf(mla_config_dir(tmp_path), tmp_path / "m.gguf", tensor_type="q4_0")
+    import mha2mla
+
+    with pytest.raises(UserError, match="q8_0"):                 # mha2mla.export(format="gguf") is export_gguf
+        mha2mla.export(mla_config_dir(tmp_path), tmp_path / "m.gguf", format="gguf", tensor_type="q4_0")
     assert "--pad-for" in refusal(tmp_path, capsys, tmp_path / "mla", "--pad-for", "vllm")
 
 

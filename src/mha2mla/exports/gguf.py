@@ -45,11 +45,13 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import torch
 from safetensors import safe_open
 
 from ..atomic import disk_full_is_a_user_error
 from ..errors import UserError
+from ..sources import read_config, resolve
+from ..weights import SAFE_INDEX, SAFE_WEIGHTS, open_gguf
+from .deepseek_v3 import export_checkpoint
 
 ARCH = gguf.MODEL_ARCH.DEEPSEEK2
 T = gguf.GGMLQuantizationType
@@ -96,9 +98,6 @@ def check_exportable(config) -> None:
 
 def source_gguf(source) -> tuple[Path, gguf.GGUFReader]:
     """The source model's GGUF file (a path or a packaged alias) and gguf's reader of it, or a UserError."""
-    from ..sources import resolve
-    from ..weights import open_gguf
-
     if not source:
         raise UserError("the MLA config names no source model to take the tokenizer from: pass the source as a "
                         "GGUF file with --source")
@@ -119,8 +118,6 @@ def tensor_type(name: str, shape: tuple[int, ...], wanted: T) -> T:
 
 def safetensors_files(directory: Path) -> dict[str, Path]:
     """Tensor name → the shard holding it, in a checkpoint written by ShardWriter."""
-    from ..weights import SAFE_INDEX, SAFE_WEIGHTS
-
     index = directory / SAFE_INDEX
     if index.is_file():
         return {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
@@ -239,11 +236,13 @@ def write_gguf(ds_dir: Path, out: Path, source: gguf.GGUFReader, tensor_type_nam
     for e in entries:
         writer.add_tensor_info(e.name, e.shape, np.dtype(np.float32), e.nbytes, raw_dtype=e.qtype)
     writer.write_header_to_file(path=Path(out))
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for e in entries:                                 # in the order of the tensor infos
-        writer.write_tensor_data(tensor_data(e, ds))
-    writer.close()
+    try:
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for e in entries:                             # in the order of the tensor infos
+            writer.write_tensor_data(tensor_data(e, ds))
+    finally:
+        writer.close()
     wanted = TENSOR_TYPES[tensor_type_name]
     return {"tensor_types": dict(Counter(e.qtype.name for e in entries)),
             "f16_fallback": [e.name for e in entries if e.qtype == T.F16 and wanted != T.F16],
@@ -260,9 +259,6 @@ def export_gguf(model_or_path, out, *, tensor_type: str = "f16", source=None, ov
     whose tokenizer is carried over (default: the MLA config's source_model). `export_kwargs` go to
     the DeepSeek-V3 export (latent_norm, calib_data, …).
     """
-    from ..sources import read_config
-    from .deepseek_v3 import export_checkpoint
-
     if tensor_type not in TENSOR_TYPES:
         raise UserError(f"unknown GGUF tensor type '{tensor_type}' (supported: {', '.join(TENSOR_TYPES)})")
     out = Path(out)
