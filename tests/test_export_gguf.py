@@ -80,7 +80,7 @@ def ds_tensors(ds_dir) -> tuple[dict, dict[str, torch.Tensor]]:
 def expected_tensors(ds: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The GGUF tensors (PyTorch order) written independently of the module: llama.cpp's names, and
     kv_b_proj's rows per head [k_nope rows; v rows] as attn_k_b (transposed) and attn_v_b."""
-    H, Dn, dv, L = ds["num_attention_heads"], ds["qk_nope_head_dim"], ds["v_head_dim"], ds["kv_lora_rank"]
+    H, Dn, dv = ds["num_attention_heads"], ds["qk_nope_head_dim"], ds["v_head_dim"]
     names = {"self_attn.q_proj": "attn_q", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
              "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
