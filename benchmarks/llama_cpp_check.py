@@ -2,8 +2,8 @@
 the MLA model in mha2mla and the source GGUF in llama.cpp.
 
 The MLA model is the default recipe at 72 cached values per token per layer (`mha2mla.convert(...,
-kv_budget=72)`, read from `--mla`, converted there first when absent), exported with `mha2mla export
---format gguf` in each of `--types`. The source is the packaged SmolLM2-135M-Instruct GGUF (Q4_1),
+kv_budget=72)`, with `--init` when given; read from `--mla`, converted there first when absent), exported
+with `mha2mla export --format gguf` in each of `--types`. The source is the packaged SmolLM2-135M-Instruct GGUF (Q4_1),
 copied to the same tensor types by llama.cpp's own `llama_model_quantize` (allow_requantize: the Q4_1
 values dequantized, which are the weights the MLA model was converted from). Through llama-cpp-python
 (CPU, `--threads` threads, its defaults otherwise: flash attention off, F16 KV cache):
@@ -20,7 +20,7 @@ values dequantized, which are the weights the MLA model was converted from). Thr
 
 Prints, never asserts.
 
-    python benchmarks/llama_cpp_check.py [--mla out/llama-cpp/smollm2-b72] [--out out/llama-cpp]
+    python benchmarks/llama_cpp_check.py [--mla out/llama-cpp/smollm2-b72] [--out out/llama-cpp] [--init I]
         [--types f16,q8_0] [--windows 8] [--context 1024,4096] [--new-tokens 32] [--repeats 3] [--build-log FILE]
 """
 
@@ -134,6 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mla", default="out/llama-cpp/smollm2-b72")
     parser.add_argument("--out", default="out/llama-cpp")
+    parser.add_argument("--init", default=None, help="the conversion's key factorisation (default: the recipe's)")
     parser.add_argument("--types", default="f16,q8_0")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--context", default="1024,4096")
@@ -151,7 +152,7 @@ def main() -> None:
 
     if not (mla_path / "config.json").is_file():
         start = time.perf_counter()
-        convert(SOURCE, mla_path, kv_budget=72)
+        convert(SOURCE, mla_path, kv_budget=72, **({"init": args.init} if args.init else {}))
         print(f"converted {SOURCE} at 72 values to {mla_path} in {time.perf_counter() - start:.0f} s")
     mla, tokenizer = load_model(mla_path)
     text = default_eval_text()
