@@ -220,3 +220,14 @@ def test_latent_norm_conversion_and_its_exact_export(method, tokenizer, wiki_dir
         assert gap > 1e-3  # the ordinary regime rescales every token's latent by median/own RMS
     report = export_checkpoint(tmp_path / "mla", tmp_path / "ds", calib_data=[wiki_dir], calib_seq_len=64)
     assert report["latent_norm"] == "the model's own" and report["logits_gap"]["max_abs"] < 1e-4
+
+
+def test_the_package_convert_stays_the_function_after_the_submodule_is_imported():
+    """`from mha2mla import convert` (the README's quickstart) gives the function, even in a process that
+    imported the submodule mha2mla.convert first (as the CLI does)."""
+    import inspect
+
+    from mha2mla.convert import convert_model  # noqa: F401 (the submodule import under test)
+    from mha2mla import convert
+
+    assert inspect.isfunction(convert) and convert.__module__ == "mha2mla"

@@ -9,16 +9,19 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .modeling import LatentCache, MLAConfig, MLAForCausalLM
 from .sources import load_model, load_source
+from . import convert as _conversion  # the submodule, imported before the function below takes its name
 
 AutoConfig.register("mla", MLAConfig, exist_ok=True)
 AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
 
 
 def convert(*args, **kwargs):
-    """Convert a source model to MLA; see `mha2mla.convert.convert_model`."""
-    from .convert import convert_model
+    """Convert a source model to MLA; see `mha2mla.convert.convert_model`.
 
-    return convert_model(*args, **kwargs)
+    (The submodule `mha2mla.convert` is imported above first: importing a submodule for the first time
+    binds its name on the package, which would otherwise replace this function once anything ran
+    `from mha2mla.convert import …`.)"""
+    return _conversion.convert_model(*args, **kwargs)
 
 
 def export(model, out, *, format: str = "deepseek-v3", **kwargs):
