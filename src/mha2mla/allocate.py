@@ -3,13 +3,14 @@
 The uniform conversion gives every layer the same split (r RoPE pairs, latent ℓ). Layers differ in
 what a split costs them, so the same total can be spent better. The criterion is measured: layer i
 converted at split (r, ℓ) (RoPE layout and factorisation, as the conversion does them, before any
-refit) attends on the source's own calibration hidden states h_i, and its attention output misses
-the source's by
+refit) attends on the source's own calibration hidden states, and its attention output misses the
+source's by the relative error
 
-    e_i(r, ℓ) = Σ ‖o_MLA − o_src‖² / Σ ‖h_i‖²,
+    e_i(r, ℓ) = Σ ‖o_MLA − o_src‖² / Σ ‖o_src‖²,
 
-the error as a perturbation of the residual stream the layer adds to (relative to the stream, not to
-the layer's own output, so that a layer whose attention adds little counts little). Each layer's
+the per-layer split's objective (convert.attention_error), so every layer counts alike, as a relative
+error; measured against the residual stream instead (Σ ‖h_i‖² below the line), layers whose attention
+adds little were starved (docs/experiments.md). Each layer's
 curve is measured for every r the budget offers, at widths GRID × that r's uniform latent (within
 [1, the layout's largest]), and taken linear between them. The allocation minimises Σ_i e_i(r_i, ℓ_i)
 subject to Σ_i (RoPE values(r_i) + ℓ_i) = n_layers × budget exactly, by dynamic programming over the
@@ -104,14 +105,14 @@ def error_curves(src, blocks: torch.Tensor, layout, splits: list[tuple[int, int]
         measured = layout.measure(layer.self_attn, stats)
         targets = [layer.self_attn(x, position_embeddings=run.rope, attention_mask=run.causal)[0]
                    for x in stats.inputs]
-        stream = sum(h.double().pow(2).sum().item() for h in hidden)
+        energy = sum(t.double().pow(2).sum().item() for t in targets)
         curve = {}
         for r, uniform in splits:
             for width in width_grid(uniform, layout.max_latent(r)):
                 attn = build(idx, layer.self_attn, stats, measured, (r, width))
                 error = sum((attn(x, run.position_ids.expand(x.shape[0], -1), run.causal) - t).double().pow(2)
                             .sum().item() for x, t in zip(stats.inputs, targets))
-                curve[r, width] = error / stream
+                curve[r, width] = error / energy
         curves.append(curve)
         step = source_layer_step(layer, run.causal, run.position_ids, run.rope)
         hidden = [step(h) for h in hidden]
