@@ -52,10 +52,11 @@ def main() -> None:
         conv = mla.config.conversion
         held = min((t["held_in_loss"] for t in conv["budget_candidates"]), default=None)
         widths = [mla.config.latent_dim_at(i) for i in range(mla.config.num_hidden_layers)]
+        rope = sorted({mla.config.rope_pairs_at(i) for i in range(mla.config.num_hidden_layers)})
         ppl = perplexity(mla, tok, windows=args.windows, progress=False)["ppl"]
         table.append((label, budget, ppl, held, seconds, f"{min(widths)}–{max(widths)}"))
         print(f"{label:>20} budget {budget:>4}: ppl {ppl:9.2f}  held-in {held if held is None else round(held, 4)}  "
-              f"{seconds:6.1f} s  latent {table[-1][5]}", flush=True)
+              f"{seconds:6.1f} s  latent {table[-1][5]}  rope pairs {rope}", flush=True)
         del mla
 
     budgets = [int(b) for b in args.budgets.split(",")]
