@@ -8,7 +8,7 @@ source's by the relative error
 
     e_i(r, ℓ) = Σ ‖o_MLA − o_src‖² / Σ ‖o_src‖²,
 
-the per-layer split's objective (convert.attention_error), so every layer counts alike, as a relative
+the per-layer split's objective (attention_error), so every layer counts alike, as a relative
 error; measured against the residual stream instead (Σ ‖h_i‖² below the line), layers whose attention
 adds little were starved (docs/experiments.md). Each layer's
 curve is measured for every r the budget offers, at widths GRID × that r's uniform latent (within
@@ -86,6 +86,19 @@ def allocate(curves: list[dict[tuple[int, int], float]], rope_values: dict[int, 
 
 
 @torch.no_grad()
+def attention_error(mla_attn, inputs: list[torch.Tensor], targets: list[torch.Tensor], causal: torch.Tensor,
+                    position_ids: torch.Tensor) -> float:
+    """Relative squared error Σ‖o_mla − o_src‖² / Σ‖o_src‖² of the MLA attention block's output against
+    the source's (`targets`) on the layer's calibration inputs: the per-layer split's objective."""
+    err = total = 0.0
+    for x, target in zip(inputs, targets):
+        got = mla_attn(x, position_ids.expand(x.shape[0], -1), causal)
+        err += (got - target).double().pow(2).sum().item()
+        total += target.double().pow(2).sum().item()
+    return err / total
+
+
+@torch.no_grad()
 def error_curves(src, blocks: torch.Tensor, layout, splits: list[tuple[int, int]], build: Callable,
                  dtype: torch.dtype, batch: int) -> list[dict[tuple[int, int], float]]:
     """Each layer's e_i(r, ℓ) for every r of `splits` (the budget's (r, uniform latent) splits) at the
@@ -105,14 +118,11 @@ def error_curves(src, blocks: torch.Tensor, layout, splits: list[tuple[int, int]
         measured = layout.measure(layer.self_attn, stats)
         targets = [layer.self_attn(x, position_embeddings=run.rope, attention_mask=run.causal)[0]
                    for x in stats.inputs]
-        energy = sum(t.double().pow(2).sum().item() for t in targets)
         curve = {}
         for r, uniform in splits:
             for width in width_grid(uniform, layout.max_latent(r)):
                 attn = build(idx, layer.self_attn, stats, measured, (r, width))
-                error = sum((attn(x, run.position_ids.expand(x.shape[0], -1), run.causal) - t).double().pow(2)
-                            .sum().item() for x, t in zip(stats.inputs, targets))
-                curve[r, width] = error / energy
+                curve[r, width] = attention_error(attn, stats.inputs, targets, run.causal, run.position_ids)
         curves.append(curve)
         step = source_layer_step(layer, run.causal, run.position_ids, run.rope)
         hidden = [step(h) for h in hidden]

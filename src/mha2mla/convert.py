@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .allocate import allocate, error_curves
+from .allocate import allocate, attention_error, error_curves
 from .atomic import save_atomically
 from .budget import HELD_IN_BLOCKS, Candidate, budget_splits, candidates_for, d_kv_split, kv_balances, search
 from .calibration import layer_stats, source_layer_step, source_pass
@@ -345,19 +345,6 @@ def globally_allocated(src, calib: torch.Tensor, layout, candidates: list[Candid
         curves = error_curves(src, calib, layout, splits, build, dtype, CALIB_BATCH)
         allocated.append(Candidate(tuple(splits), balance, layer_splits=tuple(allocate(curves, rope_values, total))))
     return allocated
-
-
-@torch.no_grad()
-def attention_error(mla_attn, inputs: list[torch.Tensor], targets: list[torch.Tensor], causal: torch.Tensor,
-                    position_ids: torch.Tensor) -> float:
-    """Relative squared error Σ‖o_mla − o_src‖² / Σ‖o_src‖² of the MLA attention block's output against
-    the source's (`targets`) on the layer's calibration inputs: the per-layer split's objective."""
-    err = total = 0.0
-    for x, target in zip(inputs, targets):
-        got = mla_attn(x, position_ids.expand(x.shape[0], -1), causal)
-        err += (got - target).double().pow(2).sum().item()
-        total += target.double().pow(2).sum().item()
-    return err / total
 
 
 def next_token_loss(hidden: torch.Tensor, norm, lm_head: torch.Tensor, blocks: torch.Tensor) -> float:
