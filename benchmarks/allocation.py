@@ -2,13 +2,13 @@
 
 For each model and budget (values per token per layer), zero-shot WikiText-2 perplexity (8 × 1024
 tokens), the held-in loss the budget search saw (when it compared several splits) and the conversion
-time, for the default recipe (RoPE concentration, activation-aware SVD, refit vo, the split searched
+time, for the default recipe (RoPE concentration, query-aware joint SVD, refit vo, the split searched
 by `--kv-budget`) with
-    uniform      every layer the same latent width (today's default)
-    global       the same total spread over the layers, RoPE dims and latent width per layer, by their
-                 measured attention-output error curves (--allocate global)
-    query        query-aware key factorisation (--init query), uniform
-    global+query both
+    uniform            every layer the same split (the default)
+    global             the same total spread over the layers, RoPE dims and latent width per layer, by
+                       their measured attention-output error curves (--allocate global)
+    activation         activation-aware key factorisation (--init activation: the previous default), uniform
+    global+activation  both
 and for the paper's per-head partial RoPE (2-norm, r = d_h/16, refit vo) with activation-aware and
 query-aware keys (`--per-head activation,query`, at the first budget).
 
@@ -27,8 +27,8 @@ from mha2mla import load_source
 from mha2mla.convert import convert_model
 from mha2mla.evaluate.perplexity import perplexity
 
-ROWS = {"uniform": {}, "global": dict(allocate="global"), "query": dict(init="query"),
-        "global+query": dict(allocate="global", init="query")}
+ROWS = {"uniform": {}, "global": dict(allocate="global"), "activation": dict(init="activation"),
+        "global+activation": dict(allocate="global", init="activation")}
 
 
 def main() -> None:
