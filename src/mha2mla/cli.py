@@ -1,7 +1,9 @@
 """The `mha2mla` command. It only parses arguments and calls the Python API.
 
 User errors (UserError) print one line `error: …` on stderr and exit 2; `--json` prints exactly one
-JSON object on the last line of stdout, progress goes to stderr.
+JSON object on the last line of stdout, progress goes to stderr. Only this module, the recipes and the
+error type are imported to parse arguments: each command imports what it runs, so `--help` and
+argument errors answer without loading torch.
 """
 
 from __future__ import annotations
@@ -13,10 +15,7 @@ import sys
 from collections import Counter
 
 from .errors import UserError
-from .convert import ALLOCATIONS, INITS, RECIPES
-from .latent_norm import METHODS as LATENT_NORMS
-from .refit import REFITS
-from .rope_layout import STRATEGIES
+from .recipes import ALLOCATIONS, RECIPES, recipe_of
 
 
 def _emit(result: dict, as_json: bool, human) -> None:
@@ -41,18 +40,14 @@ def _print_kv(r: dict) -> None:
 
 
 def cmd_convert(args) -> None:
-    from .convert import convert_checkpoint
+    from .conversion.pipeline import convert_checkpoint
 
-    recipe = RECIPES[args.recipe]
+    recipe = recipe_of(args.recipe, allocate=args.allocate, latent_norm="near_linear" if args.latent_norm else None)
     config, _ = convert_checkpoint(
-        args.source, args.out, d_kv=args.d_kv, rope_pairs=args.rope_pairs,
-        rope_strategy=args.rope_strategy or recipe["rope_strategy"], svd=args.svd,
-        init=args.init or recipe["init"], sequential=recipe["sequential"], refit=args.refit or recipe["refit"],
-        kv_budget=args.kv_budget, kv_reduction=args.kv_reduction, freq_fold=args.freq_fold or recipe["freq_fold"],
-        kv_balance=args.kv_balance, per_layer_split=args.per_layer_split, allocate=args.allocate,
-        latent_norm=args.latent_norm, as_mha=args.as_mha,
-        calib_data=args.calib_data, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
-        dtype=args.dtype, device=args.device, overwrite=args.overwrite)
+        args.source, args.out, recipe=recipe, d_kv=args.d_kv, rope_pairs=args.rope_pairs, kv_budget=args.kv_budget,
+        kv_reduction=args.kv_reduction, as_mha=args.as_mha, calib_data=args.calib_data,
+        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, dtype=args.dtype, device=args.device,
+        overwrite=args.overwrite)
     report = dict(config.conversion)
     report["out"] = str(args.out)
     _emit(report, args.json, lambda r: (print(f"wrote {r['out']}"), _print_kv(r["kv"]),
@@ -61,22 +56,13 @@ def cmd_convert(args) -> None:
 
 
 def cmd_export(args) -> None:
-    if args.format == "gguf":
-        from .exports.gguf import export_gguf
+    from .exports import export
 
-        if args.pad_for or args.drop_query_bias:
-            raise UserError("--pad-for and --drop-query-bias are options of --format deepseek-v3: the GGUF export "
-                            "takes neither (llama.cpp takes any latent width, and refuses query biases)")
-        report = export_gguf(args.model, args.out, tensor_type=args.type or "f16", source=args.source,
-                             overwrite=args.overwrite, latent_norm=args.latent_norm, calib_data=args.calib_data)
-    else:
-        from .exports.deepseek_v3 import export_checkpoint
-
-        if args.type:
-            raise UserError("--type is an option of --format gguf (the DeepSeek-V3 checkpoint keeps the model's dtype)")
-        report = export_checkpoint(args.model, args.out, format=args.format, pad_for=args.pad_for,
-                                   latent_norm=args.latent_norm, drop_query_bias=args.drop_query_bias,
-                                   source=args.source, calib_data=args.calib_data, overwrite=args.overwrite)
+    options = {name: value for name, value in (("tensor_type", args.tensor_type), ("pad_for", args.pad_for),
+                                               ("drop_query_bias", args.drop_query_bias or None))
+               if value is not None}
+    report = export(args.model, args.out, format=args.format, source=args.source, overwrite=args.overwrite,
+                    latent_norm=args.latent_norm, calib_data=args.calib_data, **options)
     _emit(report, args.json, _print_export)
 
 
@@ -115,10 +101,15 @@ def _print_scores(r: dict) -> None:
     print(f"average {r['average']:.4f} (acc_norm where reported, else acc)")
 
 
+def _tasks(args) -> tuple:
+    """The --tasks list, or nothing (every task, the evaluation's default)."""
+    return (args.tasks.split(","),) if args.tasks else ()
+
+
 def cmd_eval_tasks(args) -> None:
     from .evaluate.tasks import evaluate_tasks
 
-    result = evaluate_tasks(args.model, args.tasks.split(","), limit=args.limit, data_dir=args.data_dir,
+    result = evaluate_tasks(args.model, *_tasks(args), limit=args.limit, data_dir=args.data_dir,
                             batch_size=args.batch_size, dtype=args.dtype)
     _emit(result, args.json, _print_scores)
 
@@ -126,7 +117,7 @@ def cmd_eval_tasks(args) -> None:
 def cmd_eval_compare(args) -> None:
     from .evaluate.tasks import compare_models, markdown_table
 
-    result = compare_models(args.models, args.tasks.split(","), limit=args.limit, data_dir=args.data_dir,
+    result = compare_models(args.models, *_tasks(args), limit=args.limit, data_dir=args.data_dir,
                             batch_size=args.batch_size, dtype=args.dtype)
     _emit(result, args.json, lambda r: print(markdown_table(r)))
 
@@ -152,7 +143,7 @@ def cmd_kv_size(args) -> None:
 def cmd_train(args) -> None:
     from accelerate import PartialState
 
-    from .train import train
+    from .apps.train import train
 
     result = train(args.model, args.out, args.data, args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
                    grad_accum=args.grad_accum, lr=args.lr, freeze_non_attention=args.freeze_non_attention,
@@ -163,14 +154,14 @@ def cmd_train(args) -> None:
 
 
 def cmd_plot(args) -> None:
-    from .plot import loss_figure, save_figure
+    from .apps.plot import loss_figure, save_figure
 
     paths = save_figure(loss_figure(args.runs, smooth=args.smooth), args.out)
     _emit({"png": str(paths[0]), "svg": str(paths[1])}, args.json, lambda r: print(f"wrote {r['png']} and {r['svg']}"))
 
 
 def cmd_demo(args) -> None:
-    from .demo import demo, print_summary
+    from .apps.demo import demo, print_summary
 
     report = demo(args.out, steps=args.steps, model=args.model, data=args.data, eval_data=args.eval_data,
                   fast=args.fast, d_kvs=args.d_kv)
@@ -178,8 +169,9 @@ def cmd_demo(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from .generate import check_kv_bits, generate_text
-    from .sources import load_model
+    from .apps.generate import generate_text
+    from .evaluate.inputs import check_kv_bits
+    from .io.sources import load_model
 
     check_kv_bits(args.kv_bits)
     model, tokenizer = load_model(args.model)
@@ -210,43 +202,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="HF directory, .gguf file, hub id, or smollm2-135m")
     p.add_argument("out", help="output directory (written atomically)")
     p.add_argument("--recipe", default="default", choices=list(RECIPES),
-                   help="default: RoPE concentration (pca, fold 4) + activation-aware SVD, the best measured; "
-                        "paper: MHA2MLA's 2-norm partial RoPE + weight-only SVD")
-    p.add_argument("--d-kv", type=int, default=16,
-                   help="latent width per KV head (default 16; with pca and no --rope-pairs: the paper's cache "
-                        "size at this d_kv, n_kv·(d_kv + 2·d_h/16))")
+                   help="default: RoPE concentration (one shared RoPE key) + query-aware low rank + v/o refit, the "
+                        "best measured; paper: MHA2MLA's 2-norm partial RoPE + weight-only SVD (mha2mla.Recipe "
+                        "reaches every other setting from Python)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--d-kv", type=int, default=None,
+                      help="the paper's cache size: latent n_kv·d_kv with d_h/16 RoPE pairs per KV head, or as many "
+                           "values n_kv·(d_kv + 2·d_h/16) with the shared RoPE key (default 16)")
+    size.add_argument("--kv-budget", type=int, default=None,
+                      help="cached values per token per layer; the RoPE/latent split is searched on held-out text")
+    size.add_argument("--kv-reduction", type=float, default=None,
+                      help="KV-cache reduction in %% below the source (a budget)")
     p.add_argument("--rope-pairs", type=int, default=None,
-                   help="frequency pairs kept with RoPE per head (pca: in the shared key); default d_h/16")
-    p.add_argument("--kv-budget", type=int, default=None,
-                   help="cached values per token per layer; the converter picks the RoPE/latent split")
-    p.add_argument("--kv-reduction", type=float, default=None, help="KV-cache reduction in %% (instead of a budget)")
-    p.add_argument("--per-layer-split", action="store_true",
-                   help="with a budget: each layer picks its own RoPE/latent split by its attention-output error "
-                        "on the calibration text (instead of one split for all layers)")
+                   help="fix the RoPE frequency pairs (per KV head, or in the shared key) instead of the default "
+                        "or the search")
     p.add_argument("--allocate", default="uniform", choices=ALLOCATIONS,
-                   help="global: spread the cache over the layers, each its own RoPE dims and latent width, by "
-                        "their measured attention-output error (same total); uniform: every layer the same split")
-    p.add_argument("--latent-norm", default=None, choices=LATENT_NORMS,
-                   help="give the MLA model DeepSeek's RMSNorm on the latent (kv_a_layernorm), keeping its "
-                        "function: near_linear (latent scaled into the norm's linear range) or rms; the "
-                        "DeepSeek-V3 export is then exact")
-    p.add_argument("--rope-strategy", default=None, choices=STRATEGIES,
-                   help="RoPE layout: pca = one RoPE key shared by all heads (RoPE concentration, default "
-                        "recipe); high, low, uniform, 2-norm = the paper's partial RoPE per KV head (paper: 2-norm)")
-    p.add_argument("--freq-fold", type=int, default=None, help="pca: adjacent frequencies folded into one PCA")
-    p.add_argument("--svd", default="joint", choices=["joint", "split"])
-    p.add_argument("--init", default=None, choices=INITS,
-                   help="how the latent factorisation weights errors (default: the recipe's; default recipe: query)")
-    p.add_argument("--refit", default=None, choices=REFITS,
-                   help="re-fit v_up (v) and then o_proj (vo) to the source's attention output on the "
-                        "calibration text (default recipe: vo; paper: none)")
-    p.add_argument("--kv-balance", default="1.0",
-                   help="weight of value errors against key errors in the joint SVD, or 'auto' (chosen on "
-                        "held-in text)")
+                   help="how the cache is spread over the layers: uniform (every layer the same split), per-layer "
+                        "(each picks among a budget's splits by its attention-output error) or global (RoPE dims "
+                        "and latent width per layer from measured error curves, same total)")
+    p.add_argument("--latent-norm", action="store_true",
+                   help="give the model DeepSeek's RMSNorm on the latent (kv_a_layernorm) without changing its "
+                        "function, so fine-tuning happens with it and the DeepSeek-V3 export is exact")
     p.add_argument("--as-mha", action="store_true", help="expand a GQA source to MHA first")
     p.add_argument("--calib-data", nargs="+", default=None, help="calibration text files or directories")
-    p.add_argument("--calib-samples", type=int, default=16)
-    p.add_argument("--calib-seq-len", type=int, default=512)
+    p.add_argument("--calib-samples", type=int, default=16, help="calibration blocks (default 16)")
+    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration block (default 512)")
     p.add_argument("--dtype", default="float32",
                    help="float32, bfloat16 or float16: precision of the forward passes (statistics and "
                         "factorisations are float64; the checkpoint keeps the source's dtype)")
@@ -260,12 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(transformers, vLLM, SGLang) or GGUF (llama.cpp)")
     p.add_argument("model", help="MLA checkpoint directory")
     p.add_argument("out", help="output directory (deepseek-v3) or .gguf file (gguf), written atomically")
-    p.add_argument("--format", default="deepseek-v3", choices=["deepseek-v3", "gguf"])
-    p.add_argument("--type", default=None, choices=["f16", "bf16", "q8_0"],
+    p.add_argument("--format", default="deepseek-v3", help="deepseek-v3 (default) or gguf")
+    p.add_argument("--tensor-type", "--type", dest="tensor_type", default=None, choices=["f16", "bf16", "q8_0"],
                    help="gguf: tensor type of the matrices (default f16; norms and attn_kv_a_mqa stay F32)")
     p.add_argument("--pad-for", default=None, choices=["vllm"],
                    help="pad to an engine's kernel shapes (vllm: kv_lora_rank 512, qk_rope_head_dim 64)")
-    p.add_argument("--latent-norm", default="near_linear", choices=LATENT_NORMS,
+    p.add_argument("--latent-norm", default="near_linear", choices=["near_linear", "rms"],
                    help="how a model converted without a latent norm gets DeepSeek's kv_a_layernorm (default "
                         "near_linear: the norm kept in its near-linear range, the smaller gap measured)")
     p.add_argument("--drop-query-bias", action="store_true",
@@ -294,10 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval_ppl)
 
-    from .evaluate.tasks import TASKS
-
     def task_options(p) -> None:
-        p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated (default all: {','.join(TASKS)})")
+        p.add_argument("--tasks", default=None, help="comma-separated task names (default: all of them)")
         p.add_argument("--limit", type=int, default=None, help="first N documents per task (default: all)")
         p.add_argument("--data-dir", default=None, help="folder holding benchmarks/ (default ../shared/data "
                        "or $MHA2MLA_DATA_DIR)")

@@ -12,8 +12,9 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from ..data import default_eval_text, read_documents
 from ..errors import UserError
+from ..io.sources import load_model
+from ..io.text import default_eval_text, read_documents
 
 
 def eval_windows(tokenizer, path, seq_len: int, windows: int | None) -> torch.Tensor:
@@ -47,7 +48,5 @@ def perplexity(model, tokenizer, path=None, seq_len: int = 1024, windows: int | 
 
 
 def perplexity_of(model_path, data=None, seq_len: int = 1024, windows: int | None = None) -> dict:
-    from ..sources import load_model
-
     model, tokenizer = load_model(model_path)
     return perplexity(model, tokenizer, data, seq_len, windows)

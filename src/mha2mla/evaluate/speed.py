@@ -31,11 +31,11 @@ import time
 import torch
 
 from ..errors import UserError
-from ..generate import check_fits_context, check_kv_bits, is_mla
+from ..io.sources import load_model
 from ..modeling import LatentCache
-from ..modeling.latent_cache import kv_bytes_per_token_per_layer
+from ..modeling.configuration_mla import kv_values
 from ..modeling.modeling_mla import CACHE_NAME
-from .kv_memory import source_elements_per_token_per_layer
+from .inputs import check_fits_context, check_kv_bits, is_mla
 
 
 def cache_bytes(cache) -> int:
@@ -85,8 +85,6 @@ def measure(model: str, context: int, batch: int, new_tokens: int = 32, kv_bits:
             chunk: int = 512, seed: int = 0) -> dict:
     """Prefill and decode one model in this process: {prefill_s, decode_tok_s, peak_mb, kv_bytes, loaded_mb,
     weights_mb}."""
-    from ..sources import load_model
-
     net, _ = load_model(model)
     for p in net.parameters():   # page in weights that loading left memory-mapped, so loaded_mb holds them
         p.sum()
@@ -172,9 +170,9 @@ def estimated_peak_bytes(model, context: int, batch: int, new_tokens: int, kv_bi
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     tokens = batch * (context + new_tokens + 1)
     if is_mla(model):
-        per_token = kv_bytes_per_token_per_layer(c, kv_bits, width) * c.num_hidden_layers
+        per_token = c.kv_bytes_per_token_per_layer(kv_bits, width) * c.num_hidden_layers
     else:
-        per_token = source_elements_per_token_per_layer(c) * width * c.num_hidden_layers
+        per_token = kv_values(c) * width * c.num_hidden_layers
     rows = batch * min(chunk, context)
     mlp = rows * (3 * c.intermediate_size + 4 * c.hidden_size) * width
     attention = batch * c.num_attention_heads * context * (2 * min(chunk, context) + 4 * c.hidden_size
@@ -227,8 +225,6 @@ def bench_decode(model: str, source: str, contexts: list[int], batches: list[int
                  kv_bits: int = 16, chunk: int = 512, log=None) -> dict:
     """{"rows": [compare(...) for each context × batch]}: `source` with its default cache against the MLA
     `model` with LatentCache(kv_bits). `log(msg)` reports progress."""
-    from ..sources import load_model
-
     check_kv_bits(kv_bits)
     mla, _ = load_model(model)
     src, _ = load_model(source)

@@ -36,6 +36,9 @@ from typing import Callable, Sequence
 from urllib.parse import urlparse
 
 from ..errors import UserError
+from ..io.sources import load_model, torch_dtype
+from ..io.text import data_dir as default_data_dir
+from ..modeling.configuration_mla import kv_report
 
 TASKS = ("arc_easy", "arc_challenge", "piqa", "hellaswag", "openbookqa", "winogrande", "mmlu")
 
@@ -189,8 +192,6 @@ def _hub_docs(task: str, reason: str) -> list[dict]:
 
 def benchmarks_root(data_dir: str | os.PathLike | None = None) -> Path | None:
     """<data>/benchmarks (or <data> itself when it holds the task folders); None when there is no data dir."""
-    from ..data import data_dir as default_data_dir
-
     if data_dir is not None and not Path(data_dir).is_dir():
         raise UserError(f"data directory not found: {data_dir} (give the folder holding benchmarks/)")
     base = Path(data_dir) if data_dir is not None else default_data_dir()
@@ -269,17 +270,6 @@ def check_limit(limit: int | None) -> None:
         raise UserError(f"--limit must be a whole number of documents ≥ 1 (got {limit})")
 
 
-def torch_dtype(name: str | None):
-    """None (keep the model's dtype) or the torch dtype named float32 / bfloat16 / float16."""
-    import torch
-
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"unknown dtype '{name}': use float32, bfloat16 or float16")
-    return getattr(torch, name)
-
-
 def as_model(model_or_path, dtype=None):
     """(model, tokenizer) from a path/alias (loaded with load_model) or an already loaded pair.
 
@@ -287,8 +277,6 @@ def as_model(model_or_path, dtype=None):
     """
     dtype = torch_dtype(dtype)
     if isinstance(model_or_path, (str, os.PathLike)):
-        from ..sources import load_model
-
         return load_model(model_or_path, dtype=dtype)
     model, tokenizer = model_or_path
     if dtype is not None and model.dtype != dtype:
@@ -368,8 +356,6 @@ def compare_models(models: Sequence, tasks: str | Sequence[str] = TASKS, limit: 
     and released in turn. Returns {"tasks", "limit", "rows": [{"model", "results", "average",
     "kv_bytes_per_token", "reduction_pct", "seconds"}]}.
     """
-    from .kv_memory import kv_report
-
     if not models:
         raise UserError("give at least one model (the source first)")
     torch_dtype(dtype)

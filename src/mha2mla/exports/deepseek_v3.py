@@ -40,7 +40,7 @@ latent_norm.TOLERANCE), and the export measures what that costs.
 Streaming. The export reads the MLA checkpoint a module at a time (weights.py readers, memory-mapped
 safetensors) and writes shard by shard (ShardWriter). Its one pass over the layers also makes each
 layer's latent norm from that layer's attention inputs on calibration text, and measures the gap: a few
-held-in blocks advance through the MLA layer and through transformers' own DeepseekV3DecoderLayer
+held-out blocks advance through the MLA layer and through transformers' own DeepseekV3DecoderLayer
 loaded with the written tensors, so memory holds one layer and those blocks' hidden states.
 """
 
@@ -56,23 +56,25 @@ from transformers import AutoTokenizer, DeepseekV3Config, GenerationConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention, DeepseekV3DecoderLayer,
                                                                   DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding)
 
-from ..atomic import save_atomically
-from ..calibration import source_layer_step
+from ..conversion.stages.latent_norm import EPS, latent_mean_squares, norm_parameters
+from ..conversion.stream import LayerStream
 from ..errors import UserError
-from ..latent_norm import EPS, METHODS, latent_mean_squares, norm_parameters
+from ..io.atomic import check_output_dir, save_atomically
+from ..io.checkpoint import TOKENIZER_SUBFOLDER
+from ..io.readers import SafetensorsReader, ShardWriter, StateDictReader
+from ..io.sources import open_source, read_config, with_pad_token
+from ..io.text import calibration_blocks, default_train_text, text_files
 from ..modeling import MLAForCausalLM
-from ..modeling.modeling_mla import MLARotaryEmbedding
-from ..weights import SafetensorsReader, ShardWriter, StateDictReader, load_module
+from ..recipes import LATENT_NORMS
 
-FORMATS = ("deepseek-v3",)
 # Engine shapes (--pad-for): vLLM's MLA kernels take one head size, kv_lora_rank + qk_rope_head_dim = 576
 # (FlashMLA, CUTLASS MLA, FlashInfer MLA, CPU MLA: get_supported_head_sizes() == [576]).
 ENGINE_SHAPES = {"vllm": dict(kv_lora_rank=512, qk_rope_head_dim=64)}
-GAP_BLOCKS = 2  # held-in blocks the exported logits are compared on
+GAP_BLOCKS = 2  # held-out blocks the exported logits are compared on
 
 
 @dataclass
-class Shape:
+class ExportShape:
     """The exported attention shape and how the MLA rows land in it."""
     kv_lora_rank: int      # L
     nope: int              # D_n
@@ -110,7 +112,7 @@ def rope_stride(kept: list[int], head_dim: int, rope_dim: int | None) -> tuple[i
                     f"(head_dim {head_dim}): export without --pad-for")
 
 
-def export_shape(config, pad_for: str | None) -> Shape:
+def export_shape(config, pad_for: str | None) -> ExportShape:
     engine = ENGINE_SHAPES[pad_for] if pad_for else {}
     kept = [k for layer in kept_frequencies(config) for k in layer]
     rope, stride, power = rope_stride(kept, config.head_dim, engine.get("qk_rope_head_dim"))
@@ -120,20 +122,18 @@ def export_shape(config, pad_for: str | None) -> Shape:
         raise UserError(f"the latent is {widest} wide, more than {pad_for}'s kv_lora_rank {lora}: export "
                         f"without --pad-for or convert with a smaller --d-kv")
     nope = max(config.d_nope_at(i) for i in range(config.num_hidden_layers))
-    return Shape(lora, nope, rope, stride, config.rope_theta**power)
+    return ExportShape(lora, nope, rope, stride, config.rope_theta**power)
 
 
 def source_rope_parameters(config, source) -> dict:
     """The source's rope_parameters: the MLA config's own if it keeps them, else `source`'s (a model path or
     alias) when given, else the default ladder of rope_theta (check_rope refuses it if that is wrong)."""
-    from ..sources import open_source
-
     params = getattr(config, "rope_parameters", None) or (
         getattr(open_source(source).config, "rope_parameters", None) if source is not None else None)
     return dict(params) if params else {"rope_type": "default", "rope_theta": config.rope_theta}
 
 
-def deepseek_config(config, shape: Shape, rope_parameters: dict, attention_bias: bool) -> DeepseekV3Config:
+def deepseek_config(config, shape: ExportShape, rope_parameters: dict, attention_bias: bool) -> DeepseekV3Config:
     layers = config.num_hidden_layers
     ds = DeepseekV3Config(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -151,7 +151,7 @@ def deepseek_config(config, shape: Shape, rope_parameters: dict, attention_bias:
     return ds
 
 
-def check_rope(config, ds: DeepseekV3Config, shape: Shape) -> None:
+def check_rope(config, ds: DeepseekV3Config, shape: ExportShape) -> None:
     """The exported ladder's frequencies at every used slot equal the MLA model's, or a UserError."""
     rotary = DeepseekV3RotaryEmbedding(ds)
     exported = rotary.inv_freq.double()
@@ -178,7 +178,7 @@ def slots(kept_pairs: list[list[int]], stride: int) -> list[list[tuple[int, int]
 
 
 @torch.no_grad()
-def attention_tensors(attn, kept_pairs, shape: Shape, kv_down: torch.Tensor, norm_weight: torch.Tensor,
+def attention_tensors(attn, kept_pairs, shape: ExportShape, kv_down: torch.Tensor, norm_weight: torch.Tensor,
                       q_scale: float, rope_scale: float, keep_biases: bool) -> dict[str, torch.Tensor]:
     """The DeepSeek-V3 attention tensors of one MLA layer (float64), with the latent norm (kv_down, weight)."""
     H, n_kv, n_rope, d_h = attn.n_heads, attn.n_kv, attn.n_rope, attn.head_dim
@@ -234,7 +234,7 @@ def attention_tensors(attn, kept_pairs, shape: Shape, kv_down: torch.Tensor, nor
 @dataclass
 class MLAWeights:
     """An MLA checkpoint opened for reading a module at a time: its config, a reader of its tensors
-    (weights.py), the model on the meta device (the modules load_module fills) and its tokenizer."""
+    (io/readers), the model on the meta device (what a LayerStream fills) and its tokenizer."""
     config: object
     reader: object
     skeleton: torch.nn.Module
@@ -245,22 +245,14 @@ class MLAWeights:
     def dtype(self) -> torch.dtype:
         return self.reader.dtype
 
-    def load(self, name: str) -> torch.nn.Module:
-        """The module `name` of the model (e.g. "model.layers.3") with its weights, and its RoPE
-        frequencies (buffers the checkpoint does not hold) computed by the model's init."""
-        module = load_module(self.reader, self.skeleton.get_submodule(name), f"{name}.", self.dtype)
-        for part in module.modules():
-            if isinstance(part, MLARotaryEmbedding):
-                self.skeleton._init_weights(part)
-        return module
+    def stream(self, seq: int) -> LayerStream:
+        """The model's layers a module at a time, run in its dtype on blocks of `seq` tokens."""
+        return LayerStream.open(self.reader, seq, self.dtype, self.skeleton)
 
 
 def open_mla(model_or_path) -> MLAWeights:
     """An (MLAForCausalLM, tokenizer) pair, or an MLA checkpoint directory, read lazily: from a
     directory only the tensors asked for are read (memory-mapped), so the export holds one layer."""
-    from ..checkpoint import TOKENIZER_SUBFOLDER
-    from ..sources import read_config, with_pad_token
-
     if isinstance(model_or_path, tuple):
         model, tokenizer = model_or_path
         config, reader, generation = model.config, StateDictReader(model), model.generation_config
@@ -321,7 +313,7 @@ def layer_norm(attn, inputs: torch.Tensor | None, method: str) -> tuple[torch.Te
     return math.sqrt(EPS / eps) * attn.kv_down.weight.double(), weight
 
 
-def layer_tensors(layer, kept_pairs, shape: Shape, norm, scales: tuple[float, float], keep_biases: bool,
+def layer_tensors(layer, kept_pairs, shape: ExportShape, norm, scales: tuple[float, float], keep_biases: bool,
                   gamma: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every exported tensor of one decoder layer, named within the layer, in `dtype`: the attention's
     (attention_tensors), the MLP's and the norms; what the layer adds to the residual stream (o_proj and
@@ -347,18 +339,18 @@ def deepseek_layer(run_config: DeepseekV3Config, i: int, tensors: dict[str, torc
 
 
 @torch.no_grad()
-def write_deepseek(mla: MLAWeights, ds: DeepseekV3Config, shape: Shape, method: str, calib: torch.Tensor,
-                   held_in: torch.Tensor, out: Path) -> dict:
+def write_deepseek(mla: MLAWeights, ds: DeepseekV3Config, shape: ExportShape, method: str, calib: torch.Tensor,
+                   held_out: torch.Tensor, out: Path) -> dict:
     """Write the exported checkpoint (config, tokenizer, generation config, weights in the MLA model's
-    dtype) a layer at a time → the logits gap to the MLA model on `held_in` [N, T].
+    dtype) a layer at a time → the logits gap to the MLA model on `held_out` [N, T].
 
-    One pass over the layers: layer i is read, its latent norm made from its attention inputs on `calib`
-    (when the model has none), its DeepSeek tensors written and loaded into transformers' own
-    DeepseekV3DecoderLayer; the held-in hidden states advance through both the MLA layer and the exported
-    one, so the gap compares the MLA model with what stock transformers computes from the written
-    weights, while memory holds one layer and a few blocks' hidden states. The residual stream is scaled
-    by γ (residual_scale): the embeddings and what o_proj and the MLP add to it, and 1/γ on the final
-    norm's weight where the LM head is the (scaled) embedding."""
+    One pass over the layers (a LayerStream): layer i is read, its latent norm made from its attention
+    inputs on `calib` (when the model has none), its DeepSeek tensors written and loaded into
+    transformers' own DeepseekV3DecoderLayer; the held-out hidden states advance through both the MLA
+    layer and the exported one, so the gap compares the MLA model with what stock transformers computes
+    from the written weights, while memory holds one layer and a few blocks' hidden states. The residual
+    stream is scaled by γ (residual_scale): the embeddings and what o_proj and the MLP add to it, and 1/γ
+    on the final norm's weight where the LM head is the (scaled) embedding."""
     config, dtype = mla.config, mla.dtype
     scales, gamma = score_scales(config, ds), residual_scale(config)
     ds.dtype = dtype
@@ -370,34 +362,31 @@ def write_deepseek(mla: MLAWeights, ds: DeepseekV3Config, shape: Shape, method: 
     run_config._attn_implementation = "sdpa"
     writer = ShardWriter(out)
 
-    seq = held_in.shape[1]
-    positions = torch.arange(seq)[None]
-    causal = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
-    embed = mla.load("model.embed_tokens")
+    stream = mla.stream(held_out.shape[1])
+    embed = stream.load("model.embed_tokens")
     embed_ds = (gamma * embed.weight.double()).to(dtype)
     writer.add("model.embed_tokens.weight", embed_ds)
-    x_mla, x_ds = embed(held_in), torch.nn.functional.embedding(held_in, embed_ds)
+    x_mla, x_ds = embed(held_out), torch.nn.functional.embedding(held_out, embed_ds)
     x_calib = embed(calib) if not config.latent_norm else None
-    rope_ds = DeepseekV3RotaryEmbedding(run_config)(x_ds, positions)
-    for i in range(config.num_hidden_layers):
-        layer = mla.load(f"model.layers.{i}")
+    rope_ds = DeepseekV3RotaryEmbedding(run_config)(x_ds, stream.position_ids)
+    for i, layer in stream.layers():
         inputs = layer.input_layernorm(x_calib) if x_calib is not None else None
         tensors = layer_tensors(layer, config.kept_pairs[i], shape, layer_norm(layer.self_attn, inputs, method),
                                 scales, ds.attention_bias, gamma, dtype)
         for name, tensor in tensors.items():
             writer.add(f"model.layers.{i}.{name}", tensor)
-        x_mla = layer(x_mla, positions, causal)
-        x_ds = source_layer_step(deepseek_layer(run_config, i, tensors), causal, positions, rope_ds)(x_ds)
+        x_mla = stream.forward(layer, x_mla)
+        x_ds = stream.forward(deepseek_layer(run_config, i, tensors), x_ds, position_embeddings=rope_ds)
         if x_calib is not None:
-            x_calib = layer(x_calib, positions, causal)
+            x_calib = stream.forward(layer, x_calib)
 
-    norm = mla.load("model.norm")
+    norm = stream.load("model.norm")
     norm_ds = norm.weight.double() / (gamma if config.tie_word_embeddings else 1.0)
     writer.add("model.norm.weight", norm_ds.to(dtype))
     if config.tie_word_embeddings:
         head, head_ds = embed.weight, embed_ds
     else:
-        head = head_ds = mla.load("lm_head").weight
+        head = head_ds = stream.load("lm_head").weight
         writer.add("lm_head.weight", head_ds)
     writer.close()
     final_ds = DeepseekV3RMSNorm(config.hidden_size, ds.rms_norm_eps).to(dtype)
@@ -414,28 +403,23 @@ def logits_gap(mla: torch.Tensor, exported: torch.Tensor) -> dict:
             "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
 
 
-def export_checkpoint(model_or_path, out, *, format: str = "deepseek-v3", pad_for: str | None = None,
+def export_checkpoint(model_or_path, out, *, pad_for: str | None = None,
                       latent_norm: str = "near_linear", drop_query_bias: bool = False, source=None,
                       calib_data=None, calib_samples: int = 4, calib_seq_len: int = 256,
                       overwrite: bool = False) -> dict:
     """Write the MLA model (a checkpoint path or an (MLAForCausalLM, tokenizer) pair) to `out` as a
     DeepSeek-V3 checkpoint → a report: shapes, KV cache per token per layer (exported, MLA, source)
-    and the logits gap on held-in calibration text.
+    and the logits gap on held-out text.
 
     `pad_for`: an engine of ENGINE_SHAPES whose kernels need fixed widths. `latent_norm`: how a model
-    converted without a latent norm gets DeepSeek's (latent_norm.METHODS). `source`: the original
+    converted without a latent norm gets DeepSeek's (latent_norm.LATENT_NORMS). `source`: the original
     model, read for its rope_parameters when RoPE is scaled. `calib_data`: text for the latent norm's
     statistics and the gap (default: the Wikipedia shards).
     """
-    from ..convert import check_output_dir
-    from ..data import calibration_blocks, default_train_text, text_files
-
-    if format not in FORMATS:
-        raise UserError(f"unknown export format '{format}' (supported: {', '.join(FORMATS)})")
     if pad_for is not None and pad_for not in ENGINE_SHAPES:
         raise UserError(f"unknown engine '{pad_for}' for --pad-for (supported: {', '.join(ENGINE_SHAPES)})")
-    if latent_norm not in METHODS:
-        raise UserError(f"unknown latent norm method '{latent_norm}' (one of {', '.join(METHODS)})")
+    if latent_norm not in LATENT_NORMS:
+        raise UserError(f"unknown latent norm method '{latent_norm}' (one of {', '.join(LATENT_NORMS)})")
     check_output_dir(out, overwrite)
     mla = open_mla(model_or_path)
     config = mla.config
@@ -451,9 +435,9 @@ def export_checkpoint(model_or_path, out, *, format: str = "deepseek-v3", pad_fo
                         "pass --drop-query-bias to export without them (the logits gap is measured and printed)")
 
     paths = text_files(calib_data) if calib_data else [default_train_text()]
-    calib, held_in = calibration_blocks(mla.tokenizer, paths, calib_seq_len, calib_samples, GAP_BLOCKS)
+    calib, held_out = calibration_blocks(mla.tokenizer, paths, calib_seq_len, calib_samples, GAP_BLOCKS)
     report = {
-        "out": str(out), "format": format, "pad_for": pad_for, "source_model": config.source_model,
+        "out": str(out), "format": "deepseek-v3", "pad_for": pad_for, "source_model": config.source_model,
         "latent_norm": "the model's own" if config.latent_norm else latent_norm,
         "query_bias_dropped": query_bias,
         "kv_lora_rank": shape.kv_lora_rank, "qk_rope_head_dim": shape.rope, "qk_nope_head_dim": shape.nope,
@@ -465,7 +449,7 @@ def export_checkpoint(model_or_path, out, *, format: str = "deepseek-v3", pad_fo
 
     def write(tmp: Path) -> None:
         report["logits_gap"] = write_deepseek(mla, ds, shape, latent_norm, calib,
-                                              held_in if len(held_in) else calib[:1], tmp)
+                                              held_out if len(held_out) else calib[:1], tmp)
         ds.mha2mla_export = {k: v for k, v in report.items() if k != "out"}
         ds.save_pretrained(tmp)
 

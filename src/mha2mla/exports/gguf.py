@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,10 +45,10 @@ import gguf
 import numpy as np
 from safetensors import safe_open
 
-from ..atomic import disk_full_is_a_user_error
 from ..errors import UserError
-from ..sources import read_config, resolve
-from ..weights import SAFE_INDEX, SAFE_WEIGHTS, open_gguf
+from ..io.atomic import save_file_atomically
+from ..io.readers import SAFE_INDEX, SAFE_WEIGHTS, open_gguf
+from ..io.sources import read_config, resolve
 from .deepseek_v3 import export_checkpoint
 
 ARCH = gguf.MODEL_ARCH.DEEPSEEK2
@@ -81,7 +79,7 @@ class Entry:
         return math.prod(self.shape) // block * size
 
 
-def check_exportable(config) -> None:
+def check_graph(config) -> None:
     """What llama.cpp's deepseek2 graph cannot compute, read from the MLA config: a one-line UserError."""
     if getattr(config, "attention_bias", False) or getattr(config, "o_proj_bias", False):
         raise UserError("the model has attention biases (as Qwen2's q/k/v biases), which llama.cpp's deepseek2 "
@@ -250,14 +248,14 @@ def write_gguf(ds_dir: Path, out: Path, source: gguf.GGUFReader, tensor_type_nam
 
 
 def export_gguf(model_or_path, out, *, tensor_type: str = "f16", source=None, overwrite: bool = False,
-                **export_kwargs) -> dict:
+                latent_norm: str = "near_linear", calib_data=None) -> dict:
     """Write the MLA model (a checkpoint path or an (MLAForCausalLM, tokenizer) pair) to the file `out` as a
     llama.cpp deepseek2 GGUF → a report: tensor types, KV cache per token per layer (exported, MLA model,
     source), the DeepSeek-V3 export's logits gap to the MLA model, the file size.
 
     `tensor_type`: f16, bf16 or q8_0 for the matrices. `source`: the source model's GGUF file (or alias),
-    whose tokenizer is carried over (default: the MLA config's source_model). `export_kwargs` go to
-    the DeepSeek-V3 export (latent_norm, calib_data, …).
+    whose tokenizer is carried over (default: the MLA config's source_model). `latent_norm` and
+    `calib_data` go to the DeepSeek-V3 export.
     """
     if tensor_type not in TENSOR_TYPES:
         raise UserError(f"unknown GGUF tensor type '{tensor_type}' (supported: {', '.join(TENSOR_TYPES)})")
@@ -269,18 +267,15 @@ def export_gguf(model_or_path, out, *, tensor_type: str = "f16", source=None, ov
     config = model_or_path[0].config if isinstance(model_or_path, tuple) else read_config(Path(model_or_path))
     if config.model_type != "mla":
         raise UserError(f"not an MLA model (model_type {config.model_type}): convert it first, then export")
-    check_exportable(config)
+    check_graph(config)
     source_path, reader = source_gguf(source or config.source_model)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        with disk_full_is_a_user_error(out):
-            # no `source` for RoPE parameters: check_exportable admitted the default ladder only
-            report = export_checkpoint(model_or_path, tmp / "deepseek-v3", **export_kwargs)
-            report.update(write_gguf(tmp / "deepseek-v3", tmp / "model.gguf", reader, tensor_type))
-        (tmp / "model.gguf").replace(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    def write(tmp: Path) -> dict:
+        # no `source` for RoPE parameters: check_graph admitted the default ladder only
+        report = export_checkpoint(model_or_path, tmp / "deepseek-v3", latent_norm=latent_norm, calib_data=calib_data)
+        report.update(write_gguf(tmp / "deepseek-v3", tmp / out.name, reader, tensor_type))
+        return report
+
+    report = save_file_atomically(out, write)
     report.update(out=str(out), format="gguf", tensor_type=tensor_type, source_gguf=str(source_path))
     return report

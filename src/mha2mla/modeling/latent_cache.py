@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .configuration_mla import group_size_for
+
 
 # Spare token rows a full buffer grows by: one O(T) reallocation per GROW_TOKENS decode steps, and
 # at most GROW_TOKENS·(n_kv·d_kv + n_rope·2r) unused values per layer.
@@ -40,11 +42,6 @@ def append_rows(buffer: torch.Tensor, length: int, x: torch.Tensor) -> torch.Ten
         buffer = grown
     buffer[..., length:needed, :] = x
     return buffer
-
-
-def group_size_for(width: int, group_size: int) -> int:
-    """The largest divisor of `width` not above `group_size` (groups must tile a token's vector)."""
-    return max(g for g in range(1, min(width, group_size) + 1) if width % g == 0)
 
 
 def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,26 +235,3 @@ class LatentCache(Cache):
 
     def numel(self) -> int:
         return sum(t.numel() for t in self.stored_tensors())
-
-
-def quantized_bytes_per_token(width: int, bits: int, group_size: int) -> float:
-    """Bytes one token's vector of `width` values costs in the quantized part of the cache."""
-    groups = width // group_size_for(width, group_size)
-    return width * bits / 8 + groups * 2 * 2
-
-
-def kv_bytes_per_token_per_layer(config, bits: int = 16, dtype_bytes: int = 2) -> float:
-    """Cache bytes per token and layer (mean over layers) at long context (the full-precision
-    residual window excluded).
-
-    c_kv is quantized as one vector of latent_dim values per token, k_rope as one vector of 2r values
-    per RoPE head and token (the layouts the cache stores).
-    """
-    def layer_bytes(i: int) -> float:
-        if bits == 16:
-            return config.kv_elements_at(i) * dtype_bytes
-        latent, rope = config.latent_dim_at(i), 2 * config.rope_pairs_at(i)
-        return (quantized_bytes_per_token(latent, bits, config.kv_group_size)
-                + config.n_rope_heads * quantized_bytes_per_token(rope, bits, config.kv_group_size))
-
-    return sum(layer_bytes(i) for i in range(config.num_hidden_layers)) / config.num_hidden_layers

@@ -265,12 +265,8 @@ class MLADecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = MLARMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden_states, position_ids, attention_mask=None, cache=None, **kwargs):
-        attn_out = self.self_attn(self.input_layernorm(hidden_states), position_ids, attention_mask, cache, **kwargs)
-        return self.after_attention(hidden_states, attn_out)
-
-    def after_attention(self, hidden_states, attn_out):
-        """The rest of the layer once its attention output is known: residual, then the MLP block."""
-        hidden_states = hidden_states + attn_out
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids,
+                                                       attention_mask, cache, **kwargs)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 

@@ -46,10 +46,11 @@ from accelerate import PartialState
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
-from .atomic import write_file_atomically
-from .data import default_train_text, pack_blocks
-from .errors import UserError
-from .sources import load_model
+from ..errors import UserError
+from ..io.atomic import write_file_atomically
+from ..io.checkpoint import write_checkpoint_files
+from ..io.sources import load_model
+from ..io.text import default_train_text, pack_blocks
 
 WARMUP_FRACTION = 0.05
 DECAY_FRACTION = 0.10
@@ -338,8 +339,6 @@ def save_final(trainer: Trainer, tokenizer, out: Path, record: dict) -> None:
     An MLA model is saved as a self-contained checkpoint (auto_map, modeling files, model card), like
     the converter's output.
     """
-    from .checkpoint import write_checkpoint_files
-
     trainer.save_model(str(out))  # every process: FSDP/DeepSpeed gather the weights here
     if trainer.args.process_index == 0:
         config = trainer.model.config

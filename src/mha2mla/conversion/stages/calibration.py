@@ -1,4 +1,4 @@
-"""Calibration text → statistics of one layer's attention inputs.
+"""Calibration: one layer's attention inputs on the calibration text, and their statistics.
 
 The conversion runs the calibration blocks through the model one layer at a time (the hidden states
 of all blocks kept, one layer's weights and statistics at a time); for each layer it receives:
@@ -18,40 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
 
 
 @dataclass
-class LayerStats:
+class Calibration:
+    """One layer's calibration: its attention inputs and hidden states, and their statistics (above)."""
     cov: torch.Tensor
     mean: torch.Tensor
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     inputs: list[torch.Tensor]
     hidden: list[torch.Tensor]
-
-
-@dataclass
-class SourcePass:
-    """What a layer-by-layer pass over calibration blocks of one length needs from the source: its
-    modules on the meta device (read one at a time with weights.load_module), its rotary embedding and
-    frequencies, the positions, the additive causal mask and the RoPE tables."""
-    skeleton: torch.nn.Module
-    rotary: torch.nn.Module
-    inv_freq: list[float]
-    position_ids: torch.Tensor
-    causal: torch.Tensor
-    rope: tuple[torch.Tensor, torch.Tensor]
-
-
-def source_pass(config, seq: int, dtype: torch.dtype) -> SourcePass:
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    rotary = type(skeleton.model.rotary_emb)(config=config)
-    position_ids = torch.arange(seq)[None]
-    causal = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
-    return SourcePass(skeleton, rotary, rotary.inv_freq.tolist(), position_ids, causal,
-                      rotary(torch.zeros(1, dtype=dtype), position_ids))
 
 
 def pair_norms(states: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -70,19 +47,8 @@ def accumulate(attn, x: torch.Tensor, stats: dict) -> None:
     stats["n"] += x.shape[0]
 
 
-def source_layer_step(layer, causal: torch.Tensor, position_ids: torch.Tensor, rope):
-    """hidden → hidden through one source decoder layer (additive causal mask, positions [1, T])."""
-
-    def step(h: torch.Tensor) -> torch.Tensor:
-        out = layer(h, attention_mask=causal, position_ids=position_ids.expand(h.shape[0], -1),
-                    position_embeddings=rope)
-        return out[0] if isinstance(out, tuple) else out  # older transformers return a tuple
-
-    return step
-
-
 @torch.no_grad()
-def layer_stats(layer, hidden: list[torch.Tensor], config) -> LayerStats:
+def calibrate(layer, hidden: list[torch.Tensor], config) -> Calibration:
     """Statistics of one decoder layer's attention inputs for its input hidden states (one [b, T, D]
     tensor per batch of calibration blocks)."""
     hidden_size = config.hidden_size
@@ -95,5 +61,5 @@ def layer_stats(layer, hidden: list[torch.Tensor], config) -> LayerStats:
     for x in inputs:
         accumulate(layer.self_attn, x.reshape(-1, hidden_size), stats)
     n = stats["n"]
-    return LayerStats(cov=stats["xx"] / n, mean=stats["x"] / n, q_norm=stats["q"] / n, k_norm=stats["k"] / n,
+    return Calibration(cov=stats["xx"] / n, mean=stats["x"] / n, q_norm=stats["q"] / n, k_norm=stats["k"] / n,
                       inputs=inputs, hidden=hidden)

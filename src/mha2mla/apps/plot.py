@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .errors import UserError
+from ..errors import UserError
 
 PANELS = ("MHA2MLA", "GQA2MLA")
 COLORS = {"d_kv=8": "#f08cc0", "d_kv=16": "#9b5fc0", "d_kv=32": "#4b1c6e", "base": "#000000"}

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from .modeling.modeling_mla import MLARMSNorm
+from ...modeling.modeling_mla import MLARMSNorm
+from ...recipes import LATENT_NORMS
 
-METHODS = ("near_linear", "rms")
 TOLERANCE = 1e-6   # near_linear: relative latent error at the largest calibration latent (measured: SmolLM2
                    # logits within 2e-4 of the MLA model at 1e-6, 4e-3 at 1e-4, 4e-2 at 1e-3)
 EPS = 1e-6         # transformers' DeepseekV3 kv_a_layernorm has this eps (not the config's rms_norm_eps)
@@ -49,7 +49,7 @@ def norm_parameters(ms: torch.Tensor, method: str, tolerance: float = TOLERANCE)
         return eps, eps**0.5
     if method == "rms":
         return EPS, float(ms.sqrt().median())
-    raise ValueError(f"unknown latent norm method {method!r} (one of {', '.join(METHODS)})")
+    raise ValueError(f"unknown latent norm method {method!r} (one of {', '.join(LATENT_NORMS)})")
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ source's by the relative error
 
     e_i(r, ℓ) = Σ ‖o_MLA − o_src‖² / Σ ‖o_src‖²,
 
-the per-layer split's objective (attention_error), so every layer counts alike, as a relative
+the per-layer split's objective (attention.attention_error), so every layer counts alike, as a relative
 error; measured against the residual stream instead (Σ ‖h_i‖² below the line), layers whose attention
 adds little were starved (docs/experiments.md). Each layer's
 curve is measured for every r the budget offers, at widths GRID × that r's uniform latent (within
@@ -17,18 +17,18 @@ subject to Σ_i (RoPE values(r_i) + ℓ_i) = n_layers × budget exactly, by dyna
 total: the global optimum of the interpolated curves, so the mean cache per layer is exactly the
 budget. Greedy marginal gain per value would equal it only for convex curves, which RoPE steps are not.
 
-The curves come from one streaming pass over the source (`error_curves`: one source layer at a time,
-each split converted by the caller's `build`), before the conversion proper.
+The curves come from one streaming pass over the source per K/V balance (`error_curves`: one source
+layer at a time, each split converted as the conversion converts it), before the conversion proper.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from .calibration import layer_stats, source_layer_step, source_pass
-from .weights import load_module
+from .attention import attention_error, convert_attention, source_outputs
+from .plan import CALIB_BATCH, Candidate, Plan, Split
+from .stages.calibration import calibrate
+from .stream import LayerStream
 
 GRID = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)  # widths measured, as multiples of the uniform latent
 
@@ -86,44 +86,40 @@ def allocate(curves: list[dict[tuple[int, int], float]], rope_values: dict[int, 
 
 
 @torch.no_grad()
-def attention_error(mla_attn, inputs: list[torch.Tensor], targets: list[torch.Tensor], causal: torch.Tensor,
-                    position_ids: torch.Tensor) -> float:
-    """Relative squared error Σ‖o_mla − o_src‖² / Σ‖o_src‖² of the MLA attention block's output against
-    the source's (`targets`) on the layer's calibration inputs: the per-layer split's objective."""
-    err = total = 0.0
-    for x, target in zip(inputs, targets):
-        got = mla_attn(x, position_ids.expand(x.shape[0], -1), causal)
-        err += (got - target).double().pow(2).sum().item()
-        total += target.double().pow(2).sum().item()
-    return err / total
-
-
-@torch.no_grad()
-def error_curves(src, blocks: torch.Tensor, layout, splits: list[tuple[int, int]], build: Callable,
-                 dtype: torch.dtype, batch: int) -> list[dict[tuple[int, int], float]]:
+def error_curves(src, plan: Plan, calib: torch.Tensor, splits: list[Split], kv_balance: float,
+                 dtype: torch.dtype) -> list[dict[Split, float]]:
     """Each layer's e_i(r, ℓ) for every r of `splits` (the budget's (r, uniform latent) splits) at the
-    widths of width_grid, measured on the source's own hidden states (streaming: one source layer at a
-    time, `batch` blocks per pass). `build(idx, src_attn, stats, measured, (r, ℓ))` → the layer's MLA
-    attention converted at that split."""
-    config, reader = src.config, src.reader
-    blocks = blocks.to(torch.get_default_device())
-    run = source_pass(config, blocks.shape[1], dtype)
-    embed = load_module(reader, run.skeleton.model.embed_tokens, "model.embed_tokens.", reader.dtype)
-    hidden = [embed(blocks[i:i + batch]).to(dtype) for i in range(0, len(blocks), batch)]
-    del embed
+    widths of width_grid, measured on the source's own hidden states, streaming one source layer at a
+    time."""
+    stream = LayerStream.open(src.reader, calib.shape[1], dtype)
+    rope = stream.source_rope()
+    hidden = stream.embed(stream.load("model.embed_tokens", src.reader.dtype), calib.to(torch.get_default_device()),
+                          CALIB_BATCH)
     curves = []
-    for idx in range(config.num_hidden_layers):
-        layer = load_module(reader, run.skeleton.model.layers[idx], f"model.layers.{idx}.", dtype)
-        stats = layer_stats(layer, hidden, config)
-        measured = layout.measure(layer.self_attn, stats)
-        targets = [layer.self_attn(x, position_embeddings=run.rope, attention_mask=run.causal)[0]
-                   for x in stats.inputs]
+    for idx, layer in stream.layers():
+        calibration = calibrate(layer, hidden, src.config)
+        measured = plan.layout.measure(layer.self_attn, calibration)
+        targets = source_outputs(layer.self_attn, calibration, rope, stream.causal)
         curve = {}
         for r, uniform in splits:
-            for width in width_grid(uniform, layout.max_latent(r)):
-                attn = build(idx, layer.self_attn, stats, measured, (r, width))
-                curve[r, width] = attention_error(attn, stats.inputs, targets, run.causal, run.position_ids)
+            for width in width_grid(uniform, plan.layout.max_latent(r)):
+                attn, _ = convert_attention(plan, idx, layer.self_attn, calibration, measured, (r, width), kv_balance,
+                                            dtype)
+                curve[r, width] = attention_error(attn, calibration.inputs, targets, stream.causal, stream.position_ids)
         curves.append(curve)
-        step = source_layer_step(layer, run.causal, run.position_ids, run.rope)
-        hidden = [step(h) for h in hidden]
+        hidden = [stream.forward(layer, h, position_embeddings=rope) for h in hidden]
     return curves
+
+
+def allocated_candidates(src, plan: Plan, calib: torch.Tensor, dtype: torch.dtype) -> list[Candidate]:
+    """One candidate per K/V balance of the plan, each layer's split (r among the candidates', latent
+    width) allocated from the layers' measured error curves, the total that of the uniform splits."""
+    n_layers = src.config.num_hidden_layers
+    splits = sorted({split for c in plan.candidates for split in c.splits})
+    rope_values = {r: plan.layout.n_rope_keys * 2 * r for r, _ in splits}
+    total = n_layers * (rope_values[splits[0][0]] + splits[0][1])
+    allocated = []
+    for balance in dict.fromkeys(c.kv_balance for c in plan.candidates):
+        curves = error_curves(src, plan, calib, splits, balance, dtype)
+        allocated.append(Candidate(tuple(splits), balance, layer_splits=tuple(allocate(curves, rope_values, total))))
+    return allocated

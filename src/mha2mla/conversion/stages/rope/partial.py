@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UserError
-
-STRATEGIES = ("high", "low", "uniform", "2-norm")
+from ....errors import UserError
+from ....recipes import PER_HEAD_STRATEGIES
 
 
 def check_rope_pairs(rope_pairs: int, head_dim: int, strategy: str) -> None:
@@ -26,9 +25,9 @@ def check_rope_pairs(rope_pairs: int, head_dim: int, strategy: str) -> None:
     if not 1 <= rope_pairs <= half:
         raise UserError(f"--rope-pairs {rope_pairs} is out of range: use 1 … {half} (d_h/2 for d_h={head_dim})")
     if strategy == "uniform" and half % rope_pairs:
-        raise UserError(f"--rope-strategy uniform needs --rope-pairs dividing {half}; {rope_pairs} does not")
-    if strategy not in STRATEGIES:
-        raise UserError(f"unknown --rope-strategy {strategy}: use one of {', '.join(STRATEGIES)}")
+        raise UserError(f"the uniform rope strategy needs --rope-pairs dividing {half}; {rope_pairs} does not")
+    if strategy not in PER_HEAD_STRATEGIES:
+        raise UserError(f"unknown rope strategy {strategy}: use one of {', '.join(PER_HEAD_STRATEGIES)}")
 
 
 def two_norm_scores(q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 
 from .lowrank import DAMPING
 
-REFITS = ("none", "v", "vo")  # nothing; v_up; v_up then o_proj
 O_PROJ_DAMPING = 0.1  # ridge strength of the o_proj fit
 
 

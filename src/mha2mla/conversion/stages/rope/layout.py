@@ -28,15 +28,12 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .errors import UserError
-from .lowrank import second_moment
-from .partial_rope import STRATEGIES as PER_HEAD_STRATEGIES
-from .partial_rope import check_rope_pairs, select_pairs, split_dims
-from .rope_pca import pca_basis, query_rows
-from .sources import head_dim_of
-
-SHARED_STRATEGIES = ("pca",)
-STRATEGIES = PER_HEAD_STRATEGIES + SHARED_STRATEGIES  # the --rope-strategy choices
+from ....errors import UserError
+from ....modeling.configuration_mla import head_dim_of
+from ....recipes import PER_HEAD_STRATEGIES, ROPE_STRATEGIES, SHARED_STRATEGIES
+from ..lowrank import second_moment
+from .partial import check_rope_pairs, select_pairs, split_dims
+from .pca import pca_basis, query_rows
 
 
 class PositionFree(NamedTuple):
@@ -49,7 +46,7 @@ class PositionFree(NamedTuple):
 
 class RopeLayout(Protocol):
     name: str           # MLAConfig.rope_layout
-    strategy: str       # the --rope-strategy it implements
+    strategy: str       # the Recipe.rope strategy it implements
     n_rope_keys: int    # RoPE keys cached per token
 
     def check(self, rope_pairs: int) -> None: ...
@@ -63,14 +60,15 @@ class RopeLayout(Protocol):
 
 
 @dataclass(frozen=True)
-class Shape:
+class Heads:
+    """The source attention's head geometry."""
     n_heads: int
     n_kv: int
     head_dim: int
     hidden: int
 
     @classmethod
-    def of(cls, config) -> "Shape":
+    def of(cls, config) -> "Heads":
         return cls(config.num_attention_heads, config.num_key_value_heads, head_dim_of(config), config.hidden_size)
 
 
@@ -83,7 +81,7 @@ def rows(weight: torch.Tensor, heads: int, dims_per_head: list[list[int]]) -> to
 @dataclass(frozen=True)
 class PerHeadRope:
     """Partial RoPE: r pairs kept per KV head, chosen by `strategy`; query heads share their group's."""
-    shape: Shape
+    shape: Heads
     strategy: str = "2-norm"
     name = "per_head"
 
@@ -135,7 +133,7 @@ class PerHeadRope:
 @dataclass(frozen=True)
 class SharedRope:
     """RoPE concentration: one shared RoPE key of 2r dims, F adjacent frequencies folded (`fold`)."""
-    shape: Shape
+    shape: Heads
     fold: int = 4
     strategy = "pca"
     name = "shared"
@@ -195,9 +193,9 @@ class SharedRope:
 
 
 def layout_for(strategy: str, config, fold: int = 4) -> RopeLayout:
-    """The layout that implements --rope-strategy `strategy` for a source with this config."""
+    """The layout that implements the RoPE strategy `strategy` (Recipe.rope) for a source with this config."""
     if strategy in SHARED_STRATEGIES:
-        return SharedRope(Shape.of(config), fold)
+        return SharedRope(Heads.of(config), fold)
     if strategy in PER_HEAD_STRATEGIES:
-        return PerHeadRope(Shape.of(config), strategy)
-    raise UserError(f"unknown --rope-strategy {strategy}: use one of {', '.join(STRATEGIES)}")
+        return PerHeadRope(Heads.of(config), strategy)
+    raise UserError(f"unknown rope strategy {strategy}: use one of {', '.join(ROPE_STRATEGIES)}")
