@@ -87,9 +87,7 @@ class Plan:
 
     def mla_config(self, **widths) -> MLAConfig:
         """The MLA config of the source's fields and `widths` (rope_pairs, latent_dim, kept_pairs, …)."""
-        config = MLAConfig(**self.fields, **widths)
-        config.dtype = self.fields["dtype"]
-        return config
+        return MLAConfig(**self.fields, **widths)
 
     def layer_config(self, split: Split) -> MLAConfig:
         """The config a layer converted at `split` is built with (its RoPE frequencies are set after)."""

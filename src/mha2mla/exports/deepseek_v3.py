@@ -65,6 +65,7 @@ from ..io.readers import SafetensorsReader, ShardWriter, StateDictReader
 from ..io.sources import open_source, read_config, with_pad_token
 from ..io.text import calibration_blocks, default_train_text, text_files
 from ..modeling import MLAForCausalLM
+from ..modeling.configuration_mla import source_kv_values
 from ..recipes import LATENT_NORMS
 
 # Engine shapes (--pad-for): vLLM's MLA kernels take one head size, kv_lora_rank + qk_rope_head_dim = 576
@@ -444,7 +445,7 @@ def export_checkpoint(model_or_path, out, *, pad_for: str | None = None,
         "rope_theta": shape.theta,
         "kv_values_per_token_per_layer": shape.kv_lora_rank + shape.rope,
         "mla_kv_values_per_token_per_layer": config.kv_elements_per_token_per_layer,
-        "source_kv_values_per_token_per_layer": 2 * config.num_key_value_heads * config.head_dim,
+        "source_kv_values_per_token_per_layer": source_kv_values(config),
     }
 
     def write(tmp: Path) -> None:

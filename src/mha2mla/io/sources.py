@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from .atomic import save_atomically, write_file_atomically
 from ..errors import UserError
+from ..modeling import MLAConfig  # importing the model registers it with the Auto classes, which load it
 from .readers import (GGUFTensorReader, SafetensorsReader, StateDictReader, check_gguf_tensors, gguf_architecture,
                       open_gguf)
 
@@ -210,7 +211,7 @@ def _load_hub(repo_id: str, dtype):
 def load_source(source: str | os.PathLike, dtype=None):
     """(model, tokenizer) of an MHA/GQA source to convert; MLA checkpoints are refused."""
     model, tokenizer = load_model(source, dtype)
-    if model.config.model_type == "mla":
+    if isinstance(model.config, MLAConfig):
         raise UserError(f"{source} is already an MLA model; give the original MHA/GQA model")
     check_family(model.config)
     return model, tokenizer
