@@ -8,11 +8,12 @@ Every conversion runs in a process of its own and reports that process's peak re
 (default recipe, --d-kv 16: no budget search), 4 calibration samples × 256 tokens. Sources:
 
 * the real models (streamed from their GGUF files), and the same conversion on the model loaded
-  whole (`load_source` → convert_model: the in-memory path, the converter before streaming);
+  whole (`load_source` → `mha2mla.conversion.pipeline.convert_checkpoint`: the in-memory path, the
+  converter before streaming);
 * random-initialised Llama-shaped checkpoints of ≈ 1.5B and ≈ 3B parameters (hidden 2048 × 22 layers
   and 3072 × 28, GQA 16/8 and 24/8 heads, d_h 128, MLP 8192, SmolLM2's vocabulary), written tensor by
-  tensor as bf16 safetensors shards (written through the converter's own ShardWriter, so making them
-  needs no more memory than one tensor).
+  tensor as bf16 safetensors shards (written through the converter's own `io.readers.ShardWriter`, so
+  making them needs no more memory than one tensor).
 
 For each it prints the bound the streaming converter aims at: embeddings + two layers (in the
 forward passes' float32) + calibration activations + 1 GB.
@@ -60,7 +61,7 @@ def write_random_llama(path: Path, config, tokenizer) -> int:
     """A random bf16 Llama checkpoint written one tensor at a time → its parameter count."""
     from transformers import AutoModelForCausalLM
 
-    from mha2mla.weights import ShardWriter
+    from mha2mla.io.readers import ShardWriter
 
     path.mkdir(parents=True)
     with torch.device("meta"):
@@ -79,8 +80,8 @@ def write_random_llama(path: Path, config, tokenizer) -> int:
 
 def write_random_mla(path: Path, source_config, tokenizer) -> int:
     """A random bf16 MLA checkpoint of the source's shape written one tensor at a time → its size in bytes."""
+    from mha2mla.io.readers import ShardWriter
     from mha2mla.modeling import MLAConfig, MLAForCausalLM
-    from mha2mla.weights import ShardWriter
 
     c = source_config
     half = c.head_dim // 2
@@ -122,7 +123,7 @@ def one(args) -> None:
         main(["export", args.source, args.out, "--format", "deepseek-v3"])
     elif args.in_memory:
         from mha2mla import load_source
-        from mha2mla.convert import convert_checkpoint
+        from mha2mla.conversion.pipeline import convert_checkpoint
 
         convert_checkpoint(load_source(args.source), args.out, d_kv=16, calib_samples=4, calib_seq_len=256,
                            progress=False)
@@ -166,7 +167,7 @@ def main() -> None:
         return one(args)
 
     from mha2mla import load_source
-    from mha2mla.sources import open_source
+    from mha2mla.io.sources import open_source
 
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="convert-memory-"))
     print("| source | params (B) | path | peak RSS (GB) | bound (GB) | time (s) |")

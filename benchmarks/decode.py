@@ -24,12 +24,12 @@ SOURCE = "smollm2-135m"
 
 def converted(budget: int, out: Path) -> Path:
     """The default-recipe MLA checkpoint of SOURCE at `budget` cached values per token and layer."""
-    from mha2mla.convert import convert_model
+    from mha2mla.conversion.pipeline import convert_checkpoint
 
     path = out / f"smollm2-135m-mla-b{budget}"
     if not (path / "config.json").exists():
         print(f"converting {SOURCE} at {budget} values → {path}", file=sys.stderr)
-        convert_model(SOURCE, out=path, kv_budget=budget, overwrite=True)
+        convert_checkpoint(SOURCE, path, kv_budget=budget, overwrite=True)
     return path
 
 

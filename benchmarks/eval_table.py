@@ -1,6 +1,6 @@
 """The MHA2MLA paper's Table 1 for SmolLM2-135M: the source against its MLA conversions, zero-shot.
 
-Rows: SmolLM2-135M, then `convert_model("smollm2-135m", None, d_kv=d)` for d in 8, 16, 32: the default
+Rows: SmolLM2-135M, then `mha2mla.convert("smollm2-135m", d_kv=d)` for d in 8, 16, 32: the default
 recipe at the paper's cache sizes n_kv·(d + 2·d_h/16) = 48 / 72 / 120 values, with its default RoPE
 split (no fine-tuning, so these are the conversions' starting points, not the paper's fine-tuned
 numbers). Columns: the seven
@@ -16,8 +16,7 @@ import argparse
 import sys
 import time
 
-from mha2mla import load_model
-from mha2mla.convert import convert_model
+from mha2mla import convert, load_model
 from mha2mla.evaluate.tasks import TASKS, compare_models, markdown_table
 
 SOURCE = "smollm2-135m"
@@ -30,7 +29,7 @@ def models(d_kvs: list[int]) -> tuple[list, dict[str, float]]:
     pairs, convert_seconds = [source], {}
     for d_kv in d_kvs:
         start = time.perf_counter()
-        model, tokenizer = convert_model(SOURCE, None, d_kv=d_kv)
+        model, tokenizer = convert(SOURCE, d_kv=d_kv)
         name = f"MLA d_kv={d_kv}"
         model.config._name_or_path = name
         convert_seconds[name] = time.perf_counter() - start

@@ -24,11 +24,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mha2mla import load_model
-from mha2mla.convert import convert_model
-from mha2mla.data import default_eval_text
-from mha2mla.exports.deepseek_v3 import export_checkpoint
+from mha2mla.conversion.pipeline import convert_checkpoint
 from mha2mla.evaluate.perplexity import eval_windows, perplexity
-from mha2mla.sources import head_dim_of
+from mha2mla.exports.deepseek_v3 import export_checkpoint
+from mha2mla.io.text import default_eval_text
+from mha2mla.modeling.configuration_mla import kv_values
 
 SOURCE = "smollm2-135m"
 EXPORTS = {  # directory under --out → (row name, export_checkpoint settings)
@@ -63,14 +63,14 @@ def main() -> None:
     args = parser.parse_args()
     mla_path, out = Path(args.mla), Path(args.out)
     if not (mla_path / "config.json").is_file():
-        convert_model(SOURCE, mla_path, d_kv=16)
+        convert_checkpoint(SOURCE, mla_path, d_kv=16)
     text = default_eval_text()
     mla, tokenizer = load_model(mla_path)
     first = eval_windows(tokenizer, text, 1024, 1)[0]
 
     rows = []
     source, _ = load_model(SOURCE)
-    rows.append(("SmolLM2-135M (source)", 2 * source.config.num_key_value_heads * head_dim_of(source.config),
+    rows.append(("SmolLM2-135M (source)", kv_values(source.config),
                  perplexity(source, tokenizer, text, 1024, args.windows, progress=False)["ppl"], "", ""))
     del source
     rows.append(("MLA model (default recipe, 72 values)", mla.config.kv_elements_per_token_per_layer,
@@ -100,7 +100,7 @@ def main() -> None:
 
     print(f"SmolLM2-135M-Instruct, MLA model {mla_path}; WikiText-2 raw test, {args.windows} windows of 1024 "
           f"tokens; logits gap to the MLA model on the first window (float32 unless stated) and, as `export` "
-          f"prints it, on its held-in calibration text")
+          f"prints it, on its held-out calibration text")
     print("| model | KV values/token/layer | ppl | gap on WikiText window 1 | gap printed by export |")
     print("|---|---:|---:|---|---|")
     for name, values, ppl, window_gap, export_gap in rows:

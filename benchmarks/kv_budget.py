@@ -1,21 +1,25 @@
 """Quality at a fixed KV budget on SmolLM2-135M (prints tables; never asserts).
 
 Budgets 48 / 72 / 120 cached values per token per layer (−87.5 / −81.25 / −68.75 % of the source's
-384). Zero-shot WikiText-2 raw test perplexity (8 × 1024 tokens) and conversion wall time for:
-  paper    2-norm r=4, weight-only joint SVD, d_kv = budget/3 − 8 (the MHA2MLA recipe, --recipe paper)
+384). Zero-shot WikiText-2 raw test perplexity (8 × 1024 tokens) and conversion wall time for
+(`mha2mla.convert` with a recipe and Recipe fields changed; before issue 32 these were CLI flags:
+`--refit` → refit, `--init` → weighting, `--kv-balance` → kv_balance, `--per-layer-split` →
+allocate="per-layer"):
+  paper    2-norm r=4, weight-only joint SVD, d_kv = budget/3 − 8 (the MHA2MLA recipe, recipe="paper")
   2-norm   2-norm r=4, activation-aware joint SVD (the conversion issue's default), without a refit,
-           with the value refit (--refit v) and with the value and o_proj refit (--refit vo, the default)
-  best     the default recipe: RoPE concentration (pca, --freq-fold 4), query-aware SVD, v_up and
+           with the value refit (refit="v") and with the value and o_proj refit (refit="vo", the default)
+  best     the default recipe: RoPE concentration (rope="pca", freq_fold=4), query-aware SVD, v_up and
            o_proj refit; at the --search budgets the RoPE/latent split is chosen by the budget search
-           on held-in text (candidates logged on stderr), elsewhere a quarter of the budget goes to RoPE
-  best, per-layer split   the same with --per-layer-split (each layer picks its own split by its
+           on held-out text (candidates logged on stderr), elsewhere a quarter of the budget goes to RoPE
+  best, per-layer split   the same with allocate="per-layer" (each layer picks its own split by its
            attention-output error), at the --per-layer budgets
 Then the K/V balance at budget 72: the value rows weighted √β against the NoPE key rows in the
 joint activation-aware factorisation, β = 0.25 / 1 / 4, for the default recipe (16 RoPE dims + a
 56-wide latent; 24 + 48 before the round-by-round RoPE allocation) and for 2-norm r=4 (no refit,
-so the factorisation is seen alone), and β chosen by held-in loss (--kv-balance auto) for the
+so the factorisation is seen alone), and β chosen by held-out loss (kv_balance="auto") for the
 default recipe.
-  best, activation keys   the previous default (until 2026-12-05): activation-aware keys (--init activation)
+  best, activation keys   the previous default (until 2026-12-05): activation-aware keys
+           (weighting="activation")
 Then the recovery curve at budget 72 (--recovery-rows, default paper, best and best with activation keys):
 one fine-tuning run of the largest step count (batch 4 × 256, the paper's optimizer and schedule) per
 recipe, perplexity measured before it and after each listed step.
@@ -35,28 +39,28 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from mha2mla import load_source
-from mha2mla.budget import AUTO_BALANCES
-from mha2mla.convert import RECIPES, convert_model
+from mha2mla import convert, load_source
+from mha2mla.apps.train import train
+from mha2mla.conversion.plan import AUTO_BALANCES
 from mha2mla.evaluate.perplexity import perplexity
-from mha2mla.train import train
 
 N_KV, ROPE_PAIRS = 3, 4
 
 
 def configs(budget: int, search: bool, per_layer: bool) -> dict:
-    """The conversions compared at one budget (None: not run at this budget)."""
+    """The conversions compared at one budget: mha2mla.convert's keywords, a size and a recipe or
+    changes to the default one (None: not run at this budget)."""
     d_kv = budget // N_KV - 2 * ROPE_PAIRS
-    two_norm = dict(d_kv=d_kv, rope_pairs=ROPE_PAIRS, rope_strategy="2-norm", init="activation")
+    two_norm = dict(d_kv=d_kv, rope_pairs=ROPE_PAIRS, rope="2-norm", weighting="activation")
     return {
-        "paper": dict(d_kv=d_kv, rope_pairs=ROPE_PAIRS, **RECIPES["paper"]),
+        "paper": dict(d_kv=d_kv, rope_pairs=ROPE_PAIRS, recipe="paper"),
         "2-norm": dict(two_norm, refit="none"),
         "2-norm + v refit": dict(two_norm, refit="v"),
         "2-norm + vo refit": dict(two_norm, refit="vo"),
-        "best": dict(kv_budget=budget) if search else dict(d_kv=d_kv),  # convert_model's defaults = default recipe
-        "best, per-layer split": dict(kv_budget=budget, per_layer_split=True) if per_layer else None,
-        "best, activation keys": (dict(kv_budget=budget, init="activation") if search
-                                  else dict(d_kv=d_kv, init="activation")),
+        "best": dict(kv_budget=budget) if search else dict(d_kv=d_kv),  # the default recipe
+        "best, per-layer split": dict(kv_budget=budget, allocate="per-layer") if per_layer else None,
+        "best, activation keys": (dict(kv_budget=budget, weighting="activation") if search
+                                  else dict(d_kv=d_kv, weighting="activation")),
     }
 
 
@@ -94,9 +98,9 @@ def main() -> None:
     source, tok = load_source("smollm2-135m")
     print(f"source ppl {perplexity(source, tok, windows=args.windows, progress=False)['ppl']:.1f}", flush=True)
 
-    def convert(name, kw):
+    def convert_one(name, kw):
         start = time.perf_counter()
-        mla, _ = convert_model((source, tok), progress=False, **kw)
+        mla, _ = convert((source, tok), progress=False, **kw)
         seconds = time.perf_counter() - start
         ppl = perplexity(mla, tok, windows=args.windows, progress=False)["ppl"]
         c = mla.config
@@ -114,7 +118,7 @@ def main() -> None:
             listed = configs(budget, str(budget) in args.search.split(","), str(budget) in args.per_layer.split(","))
             for name, kw in listed.items():
                 if kw is not None and (not args.rows or name in args.rows):
-                    table[(name, budget)] = convert(name, kw)[1:]
+                    table[(name, budget)] = convert_one(name, kw)[1:]
         print("\n| conversion | " + " | ".join(f"{b} (−{100 * (1 - b / 384):.2f} %)" for b in budgets) + " |")
         print("|---|" + "---|" * len(budgets))
         for name in configs(budgets[0], False, False):
@@ -129,15 +133,15 @@ def main() -> None:
         table = {}
         for name, kw in rows.items():
             for beta in AUTO_BALANCES:
-                table[(name, beta)] = convert(f"{name}, β={beta:g}", dict(kw, kv_balance=beta))[1]
-        mla, ppl, _ = convert("best, β auto", dict(rows["best"], kv_balance="auto"))
+                table[(name, beta)] = convert_one(f"{name}, β={beta:g}", dict(kw, kv_balance=beta))[1]
+        mla, ppl, _ = convert_one("best, β auto", dict(rows["best"], kv_balance="auto"))
         conversion = mla.config.conversion
         chosen = conversion["kv_balance"]
-        losses = ", ".join(f"β={t['kv_balance']:g}: {t['held_in_loss']:.4f}" for t in conversion["budget_candidates"])
+        losses = ", ".join(f"β={t['kv_balance']:g}: {t['held_out_loss']:.4f}" for t in conversion["budget_candidates"])
         print(f"\n| budget {args.balance_budget}: K/V balance β | " + " | ".join(f"{b:g}" for b in AUTO_BALANCES)
               + " | auto |\n|---|" + "---|" * (len(AUTO_BALANCES) + 1))
         for name in rows:
-            auto = f"{ppl:,.1f} (β={chosen:g}; held-in {losses})" if name == "best" else "–"
+            auto = f"{ppl:,.1f} (β={chosen:g}; held-out {losses})" if name == "best" else "–"
             print(f"| {name} | " + " | ".join(f"{table[(name, b)]:,.1f}" for b in AUTO_BALANCES) + f" | {auto} |")
 
     if args.part in ("all", "recovery"):
@@ -146,7 +150,7 @@ def main() -> None:
         listed = configs(args.recovery_budget, False, False)
         for name in (n for n in listed if n in args.recovery_rows):
             kw = listed[name]
-            mla, ppl, _ = convert(name, kw)
+            mla, ppl, _ = convert_one(name, kw)
             evals = EvalAt(steps, tok, args.windows, name)
             with tempfile.TemporaryDirectory() as out:
                 train((mla, tok), out, steps=max(steps), seq_len=256, batch_size=4, save_every=0, callbacks=[evals])

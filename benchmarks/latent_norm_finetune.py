@@ -1,13 +1,13 @@
 """What DeepSeek's latent RMSNorm costs an MHA2MLA model, before and after a short fine-tune.
 
 The MLA model (SmolLM2-135M, default recipe at 72 values, `--mla`) is given a latent norm by
-`latent_norm.add_latent_norm` on each layer, from its attention inputs over 4 × 256 calibration
-tokens: "near_linear" (an eps large enough that the norm is near-linear at the latent's natural
-scale) and "rms" (eps 1e-6, weight = the median latent RMS), against the model without one. Each
-variant is perplexity-scored (WikiText-2 raw test, `--windows` × 1024), fine-tuned `--steps` steps by
-mha2mla.train (2 × 256 tokens per step, lr 1e-4, the Wikipedia shards) and scored again; then exported
-to DeepSeek-V3 (a variant with a norm exactly; the one without by the near-linear method), with the
-logits gap `export` measures. Prints, never asserts.
+`mha2mla.conversion.stages.latent_norm.add_latent_norm` on each layer, from its attention inputs over
+4 × 256 calibration tokens: "near_linear" (an eps large enough that the norm is near-linear at the
+latent's natural scale) and "rms" (eps 1e-6, weight = the median latent RMS), against the model
+without one. Each variant is perplexity-scored (WikiText-2 raw test, `--windows` × 1024), fine-tuned
+`--steps` steps by mha2mla.apps.train (2 × 256 tokens per step, lr 1e-4, the Wikipedia shards) and
+scored again; then exported to DeepSeek-V3 (a variant with a norm exactly; the one without by the
+near-linear method), with the logits gap `export` measures. Prints, never asserts.
 
     python benchmarks/latent_norm_finetune.py [--mla out/smollm2-b72] [--out out/latent-norm] [--steps 50]
 """
@@ -18,14 +18,32 @@ import argparse
 import copy
 from pathlib import Path
 
+import torch
+
 from mha2mla import load_model
-from mha2mla.data import calibration_blocks, default_eval_text, default_train_text
-from mha2mla.exports.deepseek_v3 import attention_inputs, export_checkpoint
+from mha2mla.apps.train import train
+from mha2mla.conversion.stages.latent_norm import add_latent_norm
 from mha2mla.evaluate.perplexity import perplexity
-from mha2mla.latent_norm import add_latent_norm
-from mha2mla.train import train
+from mha2mla.exports.deepseek_v3 import export_checkpoint
+from mha2mla.io.text import calibration_blocks, default_eval_text, default_train_text
 
 VARIANTS = ("near_linear", "rms", "none")  # "none" last: it fine-tunes the loaded model itself
+
+
+@torch.no_grad()
+def attention_inputs(model, blocks: torch.Tensor) -> list[torch.Tensor]:
+    """What enters every layer's attention (after its input norm) over `blocks` [N, T] → per layer [N·T, hidden]."""
+    seen = [[] for _ in model.model.layers]
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda module, args, i=i: seen[i].append(args[0].reshape(-1, args[0].shape[-1]).float()))
+        for i, layer in enumerate(model.model.layers)]
+    try:
+        for block in blocks:
+            model(block[None].to(model.device), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [torch.cat(x) for x in seen]
 
 
 def with_latent_norm(model, inputs, method: str):

@@ -2,7 +2,8 @@
 the MLA model in mha2mla and the source GGUF in llama.cpp.
 
 The MLA model is the default recipe at 72 cached values per token per layer (`mha2mla.convert(...,
-kv_budget=72)`, with `--init` when given; read from `--mla`, converted there first when absent), exported
+kv_budget=72)`, with `--weighting W` as Recipe.weighting=W when given (spelt `--init` before issue 32;
+that spelling still works); read from `--mla`, converted there first when absent), exported
 with `mha2mla export --format gguf` in each of `--types`. The source is the packaged SmolLM2-135M-Instruct GGUF (Q4_1),
 copied to the same tensor types by llama.cpp's own `llama_model_quantize` (allow_requantize: the Q4_1
 values dequantized, which are the weights the MLA model was converted from). Through llama-cpp-python
@@ -20,7 +21,7 @@ values dequantized, which are the weights the MLA model was converted from). Thr
 
 Prints, never asserts.
 
-    python benchmarks/llama_cpp_check.py [--mla out/llama-cpp/smollm2-b72] [--out out/llama-cpp] [--init I]
+    python benchmarks/llama_cpp_check.py [--mla out/llama-cpp/smollm2-b72] [--out out/llama-cpp] [--weighting W]
         [--types f16,q8_0] [--windows 8] [--context 1024,4096] [--new-tokens 32] [--repeats 3] [--build-log FILE]
 """
 
@@ -41,10 +42,10 @@ import torch
 
 import llama_cpp
 from mha2mla import convert, load_model
-from mha2mla.data import default_eval_text
 from mha2mla.evaluate.perplexity import eval_windows, perplexity
 from mha2mla.exports.gguf import export_gguf
-from mha2mla.sources import bundled_gguf
+from mha2mla.io.sources import bundled_gguf
+from mha2mla.io.text import default_eval_text
 
 SOURCE = "smollm2-135m"
 FTYPES = {"f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
@@ -134,7 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mla", default="out/llama-cpp/smollm2-b72")
     parser.add_argument("--out", default="out/llama-cpp")
-    parser.add_argument("--init", default=None, help="the conversion's key factorisation (default: the recipe's)")
+    parser.add_argument("--weighting", "--init", dest="weighting", default=None,
+                        help="the conversion's low-rank error weighting, Recipe.weighting (default: the recipe's)")
     parser.add_argument("--types", default="f16,q8_0")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--context", default="1024,4096")
@@ -152,7 +154,7 @@ def main() -> None:
 
     if not (mla_path / "config.json").is_file():
         start = time.perf_counter()
-        convert(SOURCE, mla_path, kv_budget=72, **({"init": args.init} if args.init else {}))
+        convert(SOURCE, mla_path, kv_budget=72, **({"weighting": args.weighting} if args.weighting else {}))
         print(f"converted {SOURCE} at 72 values to {mla_path} in {time.perf_counter() - start:.0f} s")
     mla, tokenizer = load_model(mla_path)
     text = default_eval_text()

@@ -15,10 +15,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mha2mla.generate import is_mla
+from mha2mla.evaluate.inputs import is_mla
+from mha2mla.io.sources import load_model
 from mha2mla.modeling import LatentCache
 from mha2mla.modeling.modeling_mla import CACHE_NAME
-from mha2mla.sources import load_model
 
 
 @torch.inference_mode()

@@ -7,7 +7,7 @@
 For each budget (cached values per token per layer) two conversions, each a `mha2mla convert`
 process of its own (its time and peak resident memory come from its --json report):
   default  the default recipe with the budget (`--kv-budget N`: RoPE/latent split searched on
-           held-in text)
+           held-out text)
   paper    the MHA2MLA paper's recipe: 2-norm partial RoPE with r = d_h/16 pairs per KV head,
            weight-only joint SVD, no refit, the rest of the budget as the latent
 Then the WikiText-2 test perplexity (`--windows` × 1024 tokens) of the source and of each
@@ -45,12 +45,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where the converted checkpoints go (default: a temp dir)")
     args = parser.parse_args()
 
-    from mha2mla.sources import open_source
+    from mha2mla.io.sources import open_source
+    from mha2mla.modeling.configuration_mla import head_dim_of, paper_rope_pairs, source_kv_values
 
     config = open_source(args.model).config
-    d_h = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    n_kv, r = config.num_key_value_heads, max(1, d_h // 16)
-    source_values = 2 * n_kv * d_h
+    n_kv, r = config.num_key_value_heads, paper_rope_pairs(head_dim_of(config))
+    source_values = source_kv_values(config)
     out = Path(args.out or tempfile.mkdtemp(prefix="real-model-"))
     ppl = cli("eval", "ppl", args.model, "--windows", args.windows).get("ppl")
     print(f"{args.model}: source caches {source_values} values per token per layer; WikiText-2 ppl "

@@ -1,7 +1,7 @@
 """Fine-tuning throughput: tokens/s of the MLA model against its source, same settings.
 
 SmolLM2-135M (GQA, fp32) and its MLA conversion at d_kv=16 (r = 4 kept frequency pairs) take
-training steps of the recipe in mha2mla.train (forward, backward, clip to norm 1.0, AdamW
+training steps of the recipe in mha2mla.apps.train (forward, backward, clip to norm 1.0, AdamW
 β = (0.9, 0.95)) on the same packed Wikipedia blocks. The two models alternate step by step in one
 process, so load from other processes on a shared machine hits both alike; the first step of each is
 a warm-up and not counted. Reported: tokens per wall second and per CPU second of this process.
@@ -17,9 +17,8 @@ import time
 
 import torch
 
-from mha2mla import load_source
-from mha2mla.convert import convert_model
-from mha2mla.data import default_train_text, pack_blocks
+from mha2mla import convert, load_source
+from mha2mla.io.text import default_train_text, pack_blocks
 
 
 def train_step(model, optimizer, batch: torch.Tensor) -> tuple[float, float]:
@@ -42,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
 
     source, tokenizer = load_source("smollm2-135m")
-    mla, _ = convert_model((source, tokenizer), d_kv=args.d_kv, calib_samples=4, calib_seq_len=256)
+    mla, _ = convert((source, tokenizer), d_kv=args.d_kv, calib_samples=4, calib_seq_len=256)
     blocks = pack_blocks(tokenizer, [default_train_text()], args.seq_len, (args.steps + 1) * args.batch_size)
     models = {"source (GQA)": source.train(), f"MLA d_kv={args.d_kv}": mla.train()}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
