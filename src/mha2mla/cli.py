@@ -42,12 +42,13 @@ def _print_kv(r: dict) -> None:
 def cmd_convert(args) -> None:
     from .conversion.pipeline import convert_checkpoint
 
-    recipe = recipe_of(args.recipe, allocate=args.allocate, latent_norm="near_linear" if args.latent_norm else None)
+    recipe = recipe_of(args.recipe, allocate=args.allocate, latent_norm="near_linear" if args.latent_norm else None,
+                       **({"reconstruct": args.reconstruct} if args.reconstruct is not None else {}))
+    samples, seq_len = args.calib_size
     config, _ = convert_checkpoint(
         args.source, args.out, recipe=recipe, d_kv=args.d_kv, rope_pairs=args.rope_pairs, kv_budget=args.kv_budget,
-        kv_reduction=args.kv_reduction, as_mha=args.as_mha, calib_data=args.calib_data,
-        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, dtype=args.dtype, device=args.device,
-        overwrite=args.overwrite)
+        kv_reduction=args.kv_reduction, as_mha=args.as_mha, calib_data=args.calib_data, calib_samples=samples,
+        calib_seq_len=seq_len, dtype=args.dtype, device=args.device, overwrite=args.overwrite)
     report = dict(config.conversion)
     report["out"] = str(args.out)
     _emit(report, args.json, lambda r: (print(f"wrote {r['out']}"), _print_kv(r["kv"]),
@@ -143,11 +144,16 @@ def cmd_kv_size(args) -> None:
 def cmd_train(args) -> None:
     from accelerate import PartialState
 
+    from .apps.distill import Distillation
     from .apps.train import train
 
+    if not args.distill and (args.teacher or args.distill_alpha is not None or args.distill_temperature is not None):
+        raise UserError("--teacher, --distill-alpha and --distill-temperature set distillation: add --distill")
+    given = {k: v for k, v in (("alpha", args.distill_alpha), ("temperature", args.distill_temperature)) if v is not None}
+    distill = Distillation(args.teacher, **given) if args.distill else None
     result = train(args.model, args.out, args.data, args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
                    grad_accum=args.grad_accum, lr=args.lr, freeze_non_attention=args.freeze_non_attention,
-                   bf16=args.bf16, resume=args.resume, save_every=args.save_every, seed=args.seed)
+                   bf16=args.bf16, resume=args.resume, save_every=args.save_every, seed=args.seed, distill=distill)
     if PartialState().is_main_process:  # under accelerate launch / torchrun every process runs this
         _emit(result, args.json, lambda r: print(f"trained {r['steps']} steps ({r['tokens']} tokens), "
                                                  f"final loss {r['final_loss']:.4f}; wrote {r['out']}"))
@@ -176,6 +182,15 @@ def cmd_generate(args) -> None:
     check_kv_bits(args.kv_bits)
     model, tokenizer = load_model(args.model)
     generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens, kv_bits=args.kv_bits)
+
+
+def _calib_size(text: str) -> tuple[int, int]:
+    """`--calib-size NxT` → (N, T)."""
+    try:
+        samples, seq_len = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give blocks x tokens, such as 16x512 (got '{text}')") from None
+    return samples, seq_len
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -223,10 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latent-norm", action="store_true",
                    help="give the model DeepSeek's RMSNorm on the latent (kv_a_layernorm) without changing its "
                         "function, so fine-tuning happens with it and the DeepSeek-V3 export is exact")
+    p.add_argument("--reconstruct", type=int, default=None, metavar="STEPS",
+                   help="train each converted attention layer for STEPS Adam steps to reproduce the source's output "
+                        "on the calibration inputs (default: the recipe's)")
     p.add_argument("--as-mha", action="store_true", help="expand a GQA source to MHA first")
     p.add_argument("--calib-data", nargs="+", default=None, help="calibration text files or directories")
-    p.add_argument("--calib-samples", type=int, default=16, help="calibration blocks (default 16)")
-    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration block (default 512)")
+    p.add_argument("--calib-size", type=_calib_size, default=(16, 512), metavar="NxT",
+                   help="calibration blocks × tokens per block (default 16x512)")
     p.add_argument("--dtype", default="float32",
                    help="float32, bfloat16 or float16: precision of the forward passes (statistics and "
                         "factorisations are float64; the checkpoint keeps the source's dtype)")
@@ -313,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate of the WSD schedule (default 1e-4)")
     p.add_argument("--freeze-non-attention", action="store_true", help="train only the attention projections")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
+    p.add_argument("--distill", action="store_true",
+                   help="distil from a frozen teacher: α·KL(teacher ‖ model) at temperature T + (1 − α)·LM loss")
+    p.add_argument("--teacher", default=None, help="the teacher (default: the source the MLA model was converted from)")
+    p.add_argument("--distill-alpha", type=float, default=None, help="α, the KL's weight in [0, 1] (default 0.5)")
+    p.add_argument("--distill-temperature", type=float, default=None, help="T > 0 (default 1)")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its last checkpoint")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every K steps (0: none; default 100)")
     p.add_argument("--seed", type=int, default=0)

@@ -2,7 +2,8 @@
 
 A `Recipe` says how a source becomes MLA, whatever the cache size: which part of the keys keeps RoPE,
 how the low-rank step weights its errors, what is re-fitted, whether the latent gets DeepSeek's norm,
-and how the cache is spread over the layers. The size (d_kv, a budget or a reduction) and the run
+how the cache is spread over the layers, and whether each layer is then trained to reproduce the
+source's attention output. The size (d_kv, a budget or a reduction) and the run
 (device, dtype, calibration text) are not part of it. Two are named:
 
     default   RoPE concentration (one shared RoPE key, PCA over 4 folded frequencies), query-aware
@@ -42,7 +43,8 @@ class Recipe:
     rather than the source's. `refit`: REFITS. `latent_norm`: None or a LATENT_NORMS method.
     `allocate`: every layer the same split (uniform), each layer its pick among the budget's splits by
     its attention-output error (per-layer), or RoPE dims and latent width per layer from one total by
-    measured error curves (global)."""
+    measured error curves (global). `reconstruct`: Adam steps per layer training the converted attention
+    to reproduce the source's output on the calibration inputs, at `reconstruct_lr` (0: none)."""
 
     rope: str = "pca"
     freq_fold: int = 4
@@ -53,6 +55,8 @@ class Recipe:
     refit: str = "vo"
     latent_norm: str | None = None
     allocate: str = "uniform"
+    reconstruct: int = 0
+    reconstruct_lr: float = 1e-3
 
     def replace(self, **changes) -> "Recipe":
         """This recipe with some fields changed (an unknown field is a UserError)."""
@@ -79,6 +83,10 @@ class Recipe:
             raise UserError(f"freq_fold must be at least 1 (got {self.freq_fold})")
         if self.kv_balance != "auto" and not (isinstance(self.kv_balance, (int, float)) and self.kv_balance > 0):
             raise UserError(f"kv_balance must be a positive number or 'auto' (got {self.kv_balance!r})")
+        if not (isinstance(self.reconstruct, int) and self.reconstruct >= 0):
+            raise UserError(f"--reconstruct takes a number of steps ≥ 0 (got {self.reconstruct!r})")
+        if not self.reconstruct_lr > 0:
+            raise UserError(f"reconstruct_lr must be positive (got {self.reconstruct_lr})")
         if self.allocate == "global" and self.svd == "split":
             raise UserError("the global allocation sets each layer's latent width itself: use svd='joint'")
         return self

@@ -17,10 +17,15 @@ used at step s (0-based) is
 joined by EOS); exactly steps · batch · grad_accum · processes blocks are drawn and shuffled with
 the run's seed, so every run with the same settings sees the same data in the same order.
 
+With `distill` (apps/distill.py) the loss is distillation from a frozen teacher (by default the source
+the MLA model was converted from) mixed with the LM loss; the loss log's `loss` is then still the LM
+loss, comparable across runs, beside the KL and the objective.
+
 The output folder:
     run.json          model, panel ("MHA2MLA"/"GQA2MLA"), variant ("base"/"d_kv=16"), settings,
                       and once the final model is written: "finished" and the result
-    loss.jsonl        one line per optimizer step: step, loss, lr, tokens (seen so far), grad_norm
+    loss.jsonl        one line per optimizer step: step, loss (LM), lr, tokens (seen so far), grad_norm;
+                      distilled: kl and objective too
     checkpoints/      the last two complete checkpoints (Trainer's format: weights, optimizer,
                       schedule, RNG, data position). Trainer writes each into checkpoints/.staging; it
                       is renamed into place only after every process has finished, so a kill never
@@ -32,11 +37,13 @@ and no repeated step.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
 import math
 import os
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -51,30 +58,33 @@ from ..io.atomic import write_file_atomically
 from ..io.checkpoint import write_checkpoint_files
 from ..io.sources import load_model
 from ..io.text import default_train_text, pack_blocks
+from .distill import Distillation, DistillationTrainer, load_teacher
 
 WARMUP_FRACTION = 0.05
 DECAY_FRACTION = 0.10
 # Settings that fix the trajectory: a resumed run must repeat them.
 TRAJECTORY = ("steps", "seq_len", "batch_size", "grad_accum", "lr", "freeze_non_attention", "bf16", "seed",
-              "data", "processes")
+              "data", "processes", "distill")
 
 
 # ---- the entry point ----------------------------------------------------------------------------
 
 def train(model_or_path, out, data=None, steps: int = 100, *, seq_len: int = 512, batch_size: int = 4,
           grad_accum: int = 1, lr: float = 1e-4, freeze_non_attention: bool = False, bf16: bool = False,
-          resume: bool = False, save_every: int = 100, seed: int = 0, panel: str | None = None,
-          variant: str | None = None, callbacks: list | None = None) -> dict:
+          resume: bool = False, save_every: int = 100, seed: int = 0, distill: Distillation | None = None,
+          panel: str | None = None, variant: str | None = None, callbacks: list | None = None) -> dict:
     """Fine-tune a model (path/alias or a (model, tokenizer) tuple) into `out`; returns the result.
 
     `data`: text files/directories (default: the Wikipedia shards). `panel`/`variant` label the run
     for the figure (default: read from the model). With `resume`, a run already in `out` continues
     from its last checkpoint (a finished run is returned as it is); without it `out` must be empty.
     The model object of a tuple is trained in place; `callbacks`: extra TrainerCallbacks (e.g. an
-    evaluation during the run). Result: {"out", "steps", "final_loss",
-    "tokens", "seconds", "panel", "variant"}.
+    evaluation during the run). `distill`: a Distillation (teacher, α, T). Result: {"out", "steps",
+    "final_loss" (LM), "tokens", "seconds", "panel", "variant", "peak_rss_mb", "teacher_bytes"}.
     """
     _check_numbers(steps, batch_size, grad_accum, lr, save_every)
+    if distill is not None:
+        distill.check()
     out = Path(out)
     if not resume and out.exists() and any(out.iterdir()):
         raise UserError(f"{out} is not empty (pass --resume to continue the run there, or choose a new directory)")
@@ -83,7 +93,7 @@ def train(model_or_path, out, data=None, steps: int = 100, *, seq_len: int = 512
     args = training_arguments(out, steps, seq_len, batch_size, grad_accum, lr, bf16, save_every, seed)
     settings = dict(steps=steps, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                     freeze_non_attention=freeze_non_attention, bf16=bf16, seed=seed, data=data,
-                    processes=args.world_size)
+                    processes=args.world_size, distill=dataclasses.asdict(distill) if distill else None)
     panel_, variant_ = run_label(model.config)
     record = {"model": name, "signature": weights_signature(model), "panel": panel or panel_,
               "variant": variant or variant_, "settings": settings}
@@ -99,9 +109,11 @@ def train(model_or_path, out, data=None, steps: int = 100, *, seq_len: int = 512
 
     use_cache = model.config.use_cache
     log = LossLog(out / "loss.jsonl")
-    trainer = Trainer(model=model, args=args, train_dataset=Blocks(blocks),
-                      callbacks=[log, AtomicCheckpoints(out / "checkpoints"), *tensorboard(out, args),
-                                 *(callbacks or [])])
+    teacher = load_teacher(distill, model, tokenizer) if distill else None
+    extra = dict(teacher=teacher, distillation=distill) if distill else {}
+    trainer = (DistillationTrainer if distill else Trainer)(
+        model=model, args=args, train_dataset=Blocks(blocks), **extra,
+        callbacks=[log, AtomicCheckpoints(out / "checkpoints"), *tensorboard(out, args), *(callbacks or [])])
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(ProgressBar())
     start = time.perf_counter()
@@ -114,7 +126,9 @@ def train(model_or_path, out, data=None, steps: int = 100, *, seq_len: int = 512
 
     result = {"out": str(out), "steps": steps, "final_loss": log.last_loss,
               "tokens": trainer.state.num_input_tokens_seen, "seconds": time.perf_counter() - start,
-              "panel": record["panel"], "variant": record["variant"]}
+              "panel": record["panel"], "variant": record["variant"],
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "teacher_bytes": sum(p.numel() * p.element_size() for p in teacher.parameters()) if teacher else 0}
     model.config.use_cache = use_cache  # Trainer turns the KV cache off for training
     save_final(trainer, tokenizer, out, {**record, "finished": True, "result": result})
     return result
@@ -264,7 +278,8 @@ def drop_checkpoint_before(folder: Path, bad_step: int, is_main: bool) -> Path |
 
 
 class LossLog(TrainerCallback):
-    """Appends each step's loss, learning rate and tokens seen to loss.jsonl (first process only).
+    """Appends each step's LM loss, learning rate and tokens seen to loss.jsonl (first process only), and a
+    distilled run's KL and objective.
 
     A non-finite loss is not logged: it stops training at once and cancels that step's checkpoint.
     """
@@ -282,10 +297,12 @@ class LossLog(TrainerCallback):
             control.should_training_stop = True
             control.should_save = False
             return
-        self.last_loss = logs["loss"]
+        self.last_loss = logs.get("lm_loss", logs["loss"])
         if state.is_world_process_zero:
-            line = {"step": state.global_step, "loss": logs["loss"], "lr": logs.get("learning_rate"),
+            line = {"step": state.global_step, "loss": self.last_loss, "lr": logs.get("learning_rate"),
                     "tokens": state.num_input_tokens_seen, "grad_norm": logs.get("grad_norm")}
+            if "kl" in logs:
+                line.update(kl=logs["kl"], objective=logs["loss"])
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(line) + "\n")
 

@@ -8,7 +8,7 @@ source's by the relative error
 
     e_i(r, ℓ) = Σ ‖o_MLA − o_src‖² / Σ ‖o_src‖²,
 
-the per-layer split's objective (attention.attention_error), so every layer counts alike, as a relative
+the per-layer split's objective (calibration.attention_error), so every layer counts alike, as a relative
 error; measured against the residual stream instead (Σ ‖h_i‖² below the line), layers whose attention
 adds little were starved (docs/experiments.md). Each layer's
 curve is measured for every r the budget offers, at widths GRID × that r's uniform latent (within
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attention_error, convert_attention, source_outputs
+from .attention import convert_attention, source_outputs
 from .plan import CALIB_BATCH, Candidate, Plan, Split
-from .stages.calibration import calibrate
+from .stages.calibration import attention_error, calibrate
 from .stream import LayerStream
 
 GRID = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0)  # widths measured, as multiples of the uniform latent

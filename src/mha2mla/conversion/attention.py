@@ -7,10 +7,8 @@
        the recipe says.
 
 The conversion calls it once per layer (or once per split a layer may choose among), the allocation
-once per measured point of a layer's error curve. `attention_error` is how both compare a converted
-attention with the source's: its relative output error on the layer's calibration inputs,
-
-    e = Σ ‖o_MLA − o_src‖² / Σ ‖o_src‖².
+once per measured point of a layer's error curve; both compare the result with the source's attention
+outputs (`source_outputs`) by calibration.attention_error.
 """
 
 from __future__ import annotations
@@ -42,16 +40,3 @@ def convert_attention(plan: Plan, idx: int, src_attn, calibration, measured, spl
 def source_outputs(src_attn, calibration, rope, causal: torch.Tensor) -> list[torch.Tensor]:
     """The source attention's outputs on the layer's calibration inputs."""
     return [src_attn(x, position_embeddings=rope, attention_mask=causal)[0] for x in calibration.inputs]
-
-
-@torch.no_grad()
-def attention_error(mla_attn, inputs: list[torch.Tensor], targets: list[torch.Tensor], causal: torch.Tensor,
-                    position_ids: torch.Tensor) -> float:
-    """Relative squared error of the MLA attention's output against the source's (`targets`) on the
-    layer's calibration inputs."""
-    err = total = 0.0
-    for x, target in zip(inputs, targets):
-        got = mla_attn(x, position_ids.expand(x.shape[0], -1), causal)
-        err += (got - target).double().pow(2).sum().item()
-        total += target.double().pow(2).sum().item()
-    return err / total

@@ -8,7 +8,9 @@ through the stages
     1. RoPE layout and 2. low rank (attention.py: the layout's choice, then kv_down, k_up, v_up);
     3. refit (stages/refit, optional): v_up and then o_proj re-fit by least squares to the source
        layer's attention output on the calibration inputs;
-    4. latent norm (stages/latent_norm, optional): DeepSeek's RMSNorm on the cached latent, given
+    4. reconstruction (stages/reconstruct, optional): the attention's parameters trained by Adam to
+       reproduce that output, from the closed-form solution;
+    5. latent norm (stages/latent_norm, optional): DeepSeek's RMSNorm on the cached latent, given
        without changing the layer's function (for an exact DeepSeek-V3 export);
 
 its norms and MLP are copied, it is written into safetensors shards and let go, and the hidden states
@@ -43,12 +45,13 @@ from ..modeling.configuration_mla import kv_report
 from ..modeling.modeling_mla import MLADecoderLayer
 from ..recipes import Recipe, recipe_of
 from .allocate import allocated_candidates
-from .attention import attention_error, convert_attention, source_outputs
+from .attention import convert_attention, source_outputs
 from .plan import CALIB_BATCH, Candidate, Plan, Split, plan_conversion
 from .search import search
-from .stages.calibration import calibrate
+from .stages.calibration import attention_error, calibrate
 from .stages.expand import expanded_source
 from .stages.latent_norm import add_latent_norm
+from .stages.reconstruct import reconstruct
 from .stages.refit import refit_outputs
 from .stream import LayerStream
 
@@ -60,6 +63,7 @@ class LayerChoice:
     rope_dims: int               # cached RoPE values: n_rope_keys · 2r
     kept: list[list[int]]        # per RoPE head, the source frequency of each kept component
     norm_eps: float | None       # the latent norm's eps, with one
+    reconstructed: tuple[float, float] | None  # the attention-output error before and after reconstruction
 
 
 @dataclass
@@ -115,6 +119,7 @@ def convert_checkpoint(source, out, *, recipe: str | Recipe = "default", d_kv: i
     def write(tmp: Path) -> MLAConfig:
         converted, tried = search(candidates, convert_one, tmp)
         record = dict(dataclasses.asdict(recipe), kv_balance=converted.candidate.kv_balance, as_mha=as_mha,
+                      reconstruction=[layer.reconstructed for layer in converted.layers] if recipe.reconstruct else None,
                       calib_samples=len(calib), calib_seq_len=calib_seq_len, dtype=str(dtype).removeprefix("torch."),
                       device=str(device), budget_candidates=tried)
         config = checkpoint_config(plan, converted)
@@ -186,16 +191,22 @@ def convert_layer(plan: Plan, stream: LayerStream, idx: int, src_layer, calibrat
         split, attn, kept = tried[errors.index(min(errors))]
     layer = MLADecoderLayer(plan.layer_config(split), idx).to(dtype).eval()
     layer.self_attn = attn
-    attn_out = norm_eps = None
+    attn_out = norm_eps = reconstructed = None
     if recipe.refit != "none":
         attn_out = refit_outputs(src_attn, attn, calibration.inputs, rope, stream.causal, stream.position_ids,
                                  o_proj=recipe.refit == "vo")
+    if recipe.reconstruct:
+        targets = source_outputs(src_attn, calibration, rope, stream.causal)
+        reconstructed = reconstruct(attn, calibration.inputs, targets, stream.position_ids, stream.causal,
+                                    recipe.reconstruct, recipe.reconstruct_lr)
+        attn_out = None
     if recipe.latent_norm is not None:  # last: the refit reads kv_down x as the latent
         norm_eps = add_latent_norm(attn, torch.cat(calibration.inputs), recipe.latent_norm)
         attn_out = None
     for name in ("input_layernorm", "post_attention_layernorm", "mlp"):  # the same names in both models
         getattr(layer, name).load_state_dict(getattr(src_layer, name).state_dict())
-    return layer, LayerChoice(split, plan.layout.n_rope_keys * 2 * split[0], kept, norm_eps), attn_out
+    choice = LayerChoice(split, plan.layout.n_rope_keys * 2 * split[0], kept, norm_eps, reconstructed)
+    return layer, choice, attn_out
 
 
 def next_hidden(recipe: Recipe, stream: LayerStream, src_layer, layer, calibration, attn_out, rope) -> list[torch.Tensor]:

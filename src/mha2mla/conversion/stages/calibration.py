@@ -11,6 +11,9 @@ of all blocks kept, one layer's weights and statistics at a time); for each laye
     inputs  the attention inputs themselves, one [b, T, D] tensor per batch of blocks (for the
             output refit, which needs the source's attention on them; one layer's worth)
     hidden  the layer's input hidden states (before the norm), one [b, T, D] tensor per batch
+
+A converted attention is compared with the source's on these inputs by its relative output error
+(`attention_error`),  e = Σ ‖o_MLA − o_src‖² / Σ ‖o_src‖².
 """
 
 from __future__ import annotations
@@ -63,3 +66,16 @@ def calibrate(layer, hidden: list[torch.Tensor], config) -> Calibration:
     n = stats["n"]
     return Calibration(cov=stats["xx"] / n, mean=stats["x"] / n, q_norm=stats["q"] / n, k_norm=stats["k"] / n,
                       inputs=inputs, hidden=hidden)
+
+
+@torch.no_grad()
+def attention_error(mla_attn, inputs: list[torch.Tensor], targets: list[torch.Tensor], causal: torch.Tensor,
+                    position_ids: torch.Tensor) -> float:
+    """Relative squared error of an MLA attention's output against the source's (`targets`) on a layer's
+    calibration inputs."""
+    err = total = 0.0
+    for x, target in zip(inputs, targets):
+        got = mla_attn(x, position_ids.expand(x.shape[0], -1), causal)
+        err += (got - target).double().pow(2).sum().item()
+        total += target.double().pow(2).sum().item()
+    return err / total

@@ -1,0 +1,103 @@
+"""Distillation: the source model as the teacher of its MLA conversion during fine-tuning.
+
+The source is always at hand — it is what was converted — so recovery can match its next-token
+distribution instead of only the text's. With student logits s, teacher logits t, temperature T and
+weight α, per token,
+
+    loss = α · T² · KL(softmax(t/T) ‖ softmax(s/T)) + (1 − α) · CE(s, next token)
+
+(the KL averaged over tokens; T² keeps its gradient's scale as T changes, Hinton et al. 2015). The
+teacher is frozen: no gradients, no optimizer state; it runs in the student's dtype on the student's
+device, inside the same autocast, so it adds its weights and one forward's activations to memory.
+Under DDP every process holds a full teacher beside its replica of the student. FSDP and DeepSpeed
+ZeRO-3 shard the student only: the teacher stays whole on each device, which is fine while it fits
+beside the student's shard (else prepare it with the accelerator as an inference-only module).
+
+DistillationTrainer is transformers' Trainer with this loss; it logs the LM part as `lm_loss` and the
+KL as `kl`, so the logged LM loss of a distilled run stays comparable with a plain one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+
+from ..errors import UserError
+from ..io.sources import load_model
+
+ALPHA = 0.5        # weight of the KL against the LM loss
+TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """Distillation settings: the teacher (a path or alias; None: the source the MLA config records), α, T."""
+    teacher: str | None = None
+    alpha: float = ALPHA
+    temperature: float = TEMPERATURE
+
+    def check(self) -> "Distillation":
+        if not 0 <= self.alpha <= 1:
+            raise UserError(f"--distill-alpha must be in [0, 1] (got {self.alpha})")
+        if not self.temperature > 0:
+            raise UserError(f"--distill-temperature must be positive (got {self.temperature})")
+        return self
+
+
+def load_teacher(distillation: Distillation, student, tokenizer):
+    """The teacher model, frozen, in eval mode and the student's dtype; a UserError for one that cannot teach
+    this student (no teacher known, another vocabulary or tokenizer)."""
+    name = distillation.teacher or getattr(student.config, "source_model", None)
+    if not name:
+        raise UserError("no teacher to distil from: the model records no source (pass --teacher SOURCE)")
+    teacher, teacher_tokenizer = load_model(name)
+    if teacher.config.vocab_size != student.config.vocab_size or teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"the teacher {name} has another vocabulary or tokenizer than the model trained "
+                        f"({teacher.config.vocab_size} vs {student.config.vocab_size} tokens): give the model it "
+                        f"was converted from (--teacher)")
+    teacher = teacher.to(student.dtype).eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, alpha: float,
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, LM loss, KL) for logits [B, T, V] of the student and the teacher and labels [B, T] (the next
+    token of position i is labels[i + 1], as transformers' causal-LM loss shifts them)."""
+    s, t = student[:, :-1].float().flatten(0, 1), teacher[:, :-1].float().flatten(0, 1)
+    lm = F.cross_entropy(s, labels[:, 1:].flatten())
+    kl = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1), log_target=True,
+                  reduction="batchmean") * temperature**2
+    return alpha * kl + (1 - alpha) * lm, lm, kl
+
+
+class DistillationTrainer(Trainer):
+    """Trainer whose loss is distillation_loss against a frozen teacher."""
+
+    def __init__(self, *args, teacher, distillation: Distillation, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher, self.distillation = teacher, distillation
+        self.model_accepts_loss_kwargs = False  # the loss is a mean per micro-batch: Trainer averages accumulation
+        self.parts: list[torch.Tensor] = []
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        device = next(model.parameters()).device
+        if next(self.teacher.parameters()).device != device:
+            self.teacher.to(device)
+        outputs = model(input_ids=inputs["input_ids"])
+        with torch.no_grad():
+            teacher_logits = self.teacher(input_ids=inputs["input_ids"]).logits
+        loss, lm, kl = distillation_loss(outputs.logits, teacher_logits, inputs["labels"], self.distillation.alpha,
+                                         self.distillation.temperature)
+        self.parts.append(torch.stack([lm.detach(), kl.detach()]))
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs and self.parts:
+            lm, kl = self.accelerator.gather(torch.stack(self.parts).mean(0)[None]).mean(0).tolist()
+            logs.update(lm_loss=lm, kl=kl)
+            self.parts.clear()
+        super().log(logs, *args, **kwargs)
