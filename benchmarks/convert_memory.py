@@ -46,7 +46,7 @@ TARGETS = {  # shapes of the sizes users convert: (hidden, layers, heads, kv hea
     "Llama-3-8B": (4096, 32, 32, 8, 14336, 128256),
     "Llama-3-70B": (8192, 80, 64, 8, 28672, 128256),
 }
-CONVERT = ["--d-kv", "16", "--calib-samples", "4", "--calib-seq-len", "256"]
+CONVERT = ["--d-kv", "16", "--calib-size", "4x256"]
 
 
 def llama_config(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int = 49152):

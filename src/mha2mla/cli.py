@@ -170,7 +170,7 @@ def cmd_demo(args) -> None:
     from .apps.demo import demo, print_summary
 
     report = demo(args.out, steps=args.steps, model=args.model, data=args.data, eval_data=args.eval_data,
-                  fast=args.fast, d_kvs=args.d_kv)
+                  fast=args.fast, d_kvs=args.d_kv, distill=args.distill)
     _emit(report, args.json, print_summary)
 
 
@@ -356,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="+", default=None, help="training/calibration text (default: Wikipedia shards)")
     p.add_argument("--eval-data", default=None, help="perplexity text file (default: WikiText-2 raw test)")
     p.add_argument("--d-kv", type=int, nargs="+", default=[8, 16, 32], help="latent widths (default 8 16 32)")
+    p.add_argument("--distill", action="store_true",
+                   help="fine-tune the MLA models by distillation from the source instead of the LM loss alone")
     p.add_argument("--fast", action="store_true", help="tiny blocks and evaluation windows (for tests)")
     p.add_argument("--json", action="store_true", help="print report.json's object")
     p.set_defaults(func=cmd_demo)

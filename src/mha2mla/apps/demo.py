@@ -7,7 +7,8 @@ and 32 with the default recipe, and at the middle cache size once more with the 
 two un-converted base models are fine-tuned with the same recipe
 (mha2mla.train), for the same steps, on the same packed Wikipedia text in the same order. Held-out
 perplexity (WikiText-2 raw test, the same few windows for every model) is measured before and after
-fine-tuning. The defaults are sized to finish in about 12–15 minutes on 2 CPU cores.
+fine-tuning. The defaults are sized to finish in about 12–15 minutes on 2 CPU cores. With `--distill`
+the MLA models are fine-tuned by distillation from the source instead (same runs, same figure).
 
 DIR/
   runs/<panel>-<variant>/   the training runs (loss.jsonl, run.json, final model)
@@ -34,6 +35,7 @@ from ..evaluate.perplexity import perplexity
 from ..io.sources import load_model, load_source
 from ..io.text import default_eval_text, default_train_text
 from ..modeling.configuration_mla import kv_report
+from .distill import Distillation
 from .plot import loss_figure
 from .train import read_run, train
 
@@ -90,8 +92,10 @@ def plan(config, d_kvs) -> list[Run]:
 # ---- the entry point ----------------------------------------------------------------------------
 
 def demo(out="demo-out", *, steps: int | None = None, model: str = "smollm2-135m", data=None, eval_data=None,
-         fast: bool = False, d_kvs=(8, 16, 32)) -> dict:
-    """Run (or finish) the whole demo in `out`; returns the report (also written to out/report.json)."""
+         fast: bool = False, d_kvs=(8, 16, 32), distill: bool = False) -> dict:
+    """Run (or finish) the whole demo in `out`; returns the report (also written to out/report.json).
+    `distill`: the MLA models are fine-tuned by distillation from the source (apps/distill.py) instead of
+    the LM loss alone; the base models as before."""
     start = time.perf_counter()
     settings = replace(FAST if fast else DEFAULT, **({"steps": steps} if steps is not None else {}))
     if settings.steps <= 0:
@@ -107,21 +111,26 @@ def demo(out="demo-out", *, steps: int | None = None, model: str = "smollm2-135m
     rows = []
     runs = plan(source.config, d_kvs)
     for run in tqdm(runs, desc="demo runs", unit="run"):
-        rows.append(do_run(run, source, tokenizer, out / "runs" / run.name, data, eval_data, settings, measured))
+        teacher = Distillation(teacher=source) if distill and run.d_kv is not None else None
+        rows.append(do_run(run, source, tokenizer, out / "runs" / run.name, data, eval_data, settings, measured,
+                           teacher))
 
     figure = out / "figure.png"
     loss_figure([row["run_dir"] for row in rows], figure, smooth=0.0 if fast else 0.6)
     sample = generate_sample(rows, settings)
     report = {"source": model, "runs": rows, "figure": str(figure), "sample": sample,
-              "settings": {**asdict(settings), "d_kvs": list(d_kvs), "data": data, "eval_data": eval_data},
+              "settings": {**asdict(settings), "d_kvs": list(d_kvs), "data": data, "eval_data": eval_data,
+                           "distill": distill},
               "seconds": time.perf_counter() - start}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "report.md").write_text(markdown(report))
     return report
 
 
-def do_run(run: Run, source, tokenizer, run_dir: Path, data, eval_data, settings: Settings, measured) -> dict:
-    """Build, measure, fine-tune and measure again one run; finished parts are skipped."""
+def do_run(run: Run, source, tokenizer, run_dir: Path, data, eval_data, settings: Settings, measured,
+           distill: Distillation | None = None) -> dict:
+    """Build, measure, fine-tune (by `distill` when given) and measure again one run; finished parts are
+    skipped."""
     m = measured.get(run.name)
     if "ppl_after" not in m:
         finished = (read_run(run_dir) or {}).get("finished", False)
@@ -134,7 +143,7 @@ def do_run(run: Run, source, tokenizer, run_dir: Path, data, eval_data, settings
         measured.put(run.name, **kv_numbers(model))
         if not finished:
             train((model, tokenizer), run_dir, data, settings.steps, seq_len=settings.seq_len,
-                  batch_size=settings.batch_size, lr=settings.lr, save_every=0, resume=True,
+                  batch_size=settings.batch_size, lr=settings.lr, save_every=0, resume=True, distill=distill,
                   panel=run.panel, variant=run.variant)
         measured.put(run.name, ppl_after=ppl(model.eval(), tokenizer, eval_data, settings))
     m = measured.get(run.name)

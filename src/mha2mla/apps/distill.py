@@ -34,8 +34,9 @@ TEMPERATURE = 1.0
 
 @dataclass(frozen=True)
 class Distillation:
-    """Distillation settings: the teacher (a path or alias; None: the source the MLA config records), α, T."""
-    teacher: str | None = None
+    """Distillation settings: the teacher (a path or alias, a loaded model, or None: the source the MLA config
+    records), α, T."""
+    teacher: object = None
     alpha: float = ALPHA
     temperature: float = TEMPERATURE
 
@@ -48,8 +49,11 @@ class Distillation:
 
 
 def load_teacher(distillation: Distillation, student, tokenizer):
-    """The teacher model, frozen, in eval mode and the student's dtype; a UserError for one that cannot teach
-    this student (no teacher known, another vocabulary or tokenizer)."""
+    """The teacher model in eval mode and the student's dtype (frozen: it only ever runs without gradients); a
+    UserError for one that cannot teach this student (no teacher known, another vocabulary or tokenizer).
+    A loaded teacher is used as it is and must share the student's tokenizer."""
+    if distillation.teacher is not None and not isinstance(distillation.teacher, str):
+        return distillation.teacher.to(student.dtype).eval()
     name = distillation.teacher or getattr(student.config, "source_model", None)
     if not name:
         raise UserError("no teacher to distil from: the model records no source (pass --teacher SOURCE)")
@@ -58,9 +62,7 @@ def load_teacher(distillation: Distillation, student, tokenizer):
         raise UserError(f"the teacher {name} has another vocabulary or tokenizer than the model trained "
                         f"({teacher.config.vocab_size} vs {student.config.vocab_size} tokens): give the model it "
                         f"was converted from (--teacher)")
-    teacher = teacher.to(student.dtype).eval()
-    teacher.requires_grad_(False)
-    return teacher
+    return teacher.to(student.dtype).eval()
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, alpha: float,

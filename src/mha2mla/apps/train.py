@@ -93,7 +93,7 @@ def train(model_or_path, out, data=None, steps: int = 100, *, seq_len: int = 512
     args = training_arguments(out, steps, seq_len, batch_size, grad_accum, lr, bf16, save_every, seed)
     settings = dict(steps=steps, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                     freeze_non_attention=freeze_non_attention, bf16=bf16, seed=seed, data=data,
-                    processes=args.world_size, distill=dataclasses.asdict(distill) if distill else None)
+                    processes=args.world_size, distill=distill_record(distill))
     panel_, variant_ = run_label(model.config)
     record = {"model": name, "signature": weights_signature(model), "panel": panel or panel_,
               "variant": variant or variant_, "settings": settings}
@@ -132,6 +132,15 @@ def train(model_or_path, out, data=None, steps: int = 100, *, seq_len: int = 512
     model.config.use_cache = use_cache  # Trainer turns the KV cache off for training
     save_final(trainer, tokenizer, out, {**record, "finished": True, "result": result})
     return result
+
+
+def distill_record(distill: Distillation | None) -> dict | None:
+    """The distillation settings as run.json keeps them (a loaded teacher by its name)."""
+    if distill is None:
+        return None
+    teacher = distill.teacher
+    name = teacher if teacher is None or isinstance(teacher, str) else teacher.config._name_or_path
+    return {**dataclasses.asdict(distill), "teacher": name}
 
 
 def _check_numbers(steps, batch_size, grad_accum, lr, save_every) -> None:

@@ -82,7 +82,7 @@ class Plan:
         if len(held_out) < self.held_out_blocks:
             raise UserError(f"the budget search needs {self.held_out_blocks} more documents of at least "
                             f"{self.calib_seq_len} tokens after the calibration samples: add text or lower "
-                            f"--calib-samples/--calib-seq-len")
+                            f"--calib-size")
         return calib, held_out if self.held_out_blocks else None
 
     def mla_config(self, **widths) -> MLAConfig:
@@ -192,7 +192,7 @@ def plan_conversion(config, recipe: Recipe, *, source_name: str, dtype: torch.dt
     """The plan for converting a source of this config by `recipe` at the size given (see splits_for);
     `dtype`: the checkpoint's storage dtype."""
     if calib_samples < 1:
-        raise UserError("--calib-samples must be at least 1")
+        raise UserError("--calib-size needs at least 1 calibration block")
     layout = layout_for(recipe.rope, config, recipe.freq_fold)
     splits = splits_for(config, layout, d_kv, rope_pairs, kv_budget, kv_reduction)
     for split in splits:

@@ -92,7 +92,7 @@ def kept_frequencies(config) -> list[list[int]]:
         if len(set(flat)) < len(flat):
             raise UserError(f"layer {i} keeps RoPE on one frequency in several components ({config.rope_layout} "
                             f"layout), which DeepSeek's single RoPE key cannot hold: convert with "
-                            f"--rope-strategy pca (one shared RoPE key) to export to DeepSeek-V3")
+                            f"the default recipe (one shared RoPE key) to export to DeepSeek-V3")
         layers.append(flat)
     return layers
 

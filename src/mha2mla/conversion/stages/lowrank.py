@@ -50,7 +50,7 @@ def cholesky_factor(cov: torch.Tensor, damping: float = DAMPING) -> torch.Tensor
             return chol
         if damping * 10 > MAX_DAMPING:
             raise UserError(f"the calibration statistics are not positive-definite even with damping {damping:g}: "
-                            f"add calibration text (--calib-samples, --calib-seq-len)")
+                            f"add calibration text (--calib-size)")
         damping *= 10
 
 
