@@ -118,9 +118,55 @@ def cmd_eval_tasks(args) -> None:
 def cmd_eval_compare(args) -> None:
     from .evaluate.tasks import compare_models, markdown_table
 
+    suite = _ruler_suite(args)
     result = compare_models(args.models, *_tasks(args), limit=args.limit, data_dir=args.data_dir,
-                            batch_size=args.batch_size, dtype=args.dtype)
+                            batch_size=args.batch_size, dtype=args.dtype, suite=suite)
     _emit(result, args.json, lambda r: print(markdown_table(r)))
+
+
+def _ruler_suite(args):
+    """The `ruler` task group of `eval compare` (`ruler`: all its tasks, or some of them by name), None without
+    it: --limit samples per task and length, at --context lengths."""
+    from .evaluate.ruler import TASKS, ruler_suite
+
+    names = args.tasks.split(",") if args.tasks else []
+    picked = [name for name in names if name == "ruler" or name in TASKS]
+    if not picked:
+        return None
+    if len(picked) < len(names):
+        raise UserError(f"ruler is a task group of its own: compare it (or its tasks) without lm-eval tasks "
+                        f"(got --tasks {args.tasks})")
+    return ruler_suite(_int_list(args.context, "--context"), tuple(TASKS) if "ruler" in picked else picked,
+                       samples=args.limit, haystack=args.haystack)
+
+
+def _float_list(text: str, option: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{option} takes comma-separated numbers such as 0,25,50,75,100, got '{text}'") from None
+
+
+def cmd_eval_ruler(args) -> None:
+    from .evaluate.ruler import evaluate_ruler, ruler_table
+
+    result = evaluate_ruler(args.model, _int_list(args.context, "--context"), samples=args.samples, seed=args.seed,
+                            kv_bits=args.kv_bits, haystack=args.haystack, dtype=args.dtype,
+                            **({"tasks": args.tasks} if args.tasks else {}))
+    _emit(result, args.json, lambda r: print(ruler_table(r)))
+
+
+def cmd_eval_niah(args) -> None:
+    from .evaluate.ruler import niah_grid, niah_table
+
+    result = niah_grid(args.model, _int_list(args.context, "--context"), _float_list(args.depths, "--depths"),
+                       samples=args.samples, seed=args.seed, kv_bits=args.kv_bits, haystack=args.haystack,
+                       dtype=args.dtype)
+    if args.plot:
+        from .apps.plot import niah_figure, save_figure
+
+        result["png"], result["svg"] = map(str, save_figure(niah_figure(result), args.plot))
+    _emit(result, args.json, lambda r: print(niah_table(r) + (f"\nwrote {r['png']} and {r['svg']}" if args.plot else "")))
 
 
 def cmd_eval_passkey(args) -> None:
@@ -310,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = ev.add_parser("compare", help="the paper's Table 1: task scores and KV reduction, one row per model")
     p.add_argument("models", nargs="+", metavar="MODEL", help="the source first, then its MLA conversions")
     task_options(p)
+    p.add_argument("--context", default="1024,2048,4096", help="--tasks ruler (or RULER task names): comma-separated "
+                   "lengths in tokens; --limit is then the samples per task and length (default 20)")
+    p.add_argument("--haystack", default=None, help="--tasks ruler: folder of prose (default: the Wikipedia shards)")
     p.set_defaults(func=cmd_eval_compare)
 
     p = ev.add_parser("passkey", help="synthetic passkey retrieval accuracy per context length")
@@ -319,6 +368,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval_passkey)
+
+    def long_context_options(p, samples: int) -> None:
+        p.add_argument("model")
+        p.add_argument("--context", default="1024,2048,4096", help="comma-separated lengths in tokens")
+        p.add_argument("--samples", type=int, default=samples, help=f"prompts per cell (default {samples})")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--kv-bits", type=int, default=None, help="latent cache storage of an MLA model: 16, 4 or 2")
+        p.add_argument("--haystack", default=None, help="folder of prose (default: the Wikipedia shards)")
+        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--json", action="store_true")
+
+    p = ev.add_parser("ruler", help="RULER's synthetic long-context tasks (retrieval, tracking, aggregation) "
+                                    "per context length, generated offline")
+    long_context_options(p, 20)
+    p.add_argument("--tasks", default=None, help="comma-separated (default: all: niah_single_1..3, niah_multikey_1..3, "
+                   "niah_multivalue, niah_multiquery, vt, cwe, fwe)")
+    p.set_defaults(func=cmd_eval_ruler)
+
+    p = ev.add_parser("niah", help="needle-in-a-haystack grid: retrieval per needle depth × context length")
+    long_context_options(p, 5)
+    p.add_argument("--depths", default="0,25,50,75,100", help="needle depths in %% of the haystack")
+    p.add_argument("--plot", default=None, metavar="FIG", help="write the heat map as FIG .png and .svg")
+    p.set_defaults(func=cmd_eval_niah)
 
     p = sub.add_parser("train", help="fine-tune a source or MLA model on packed text (accelerate/torchrun ready)")
     p.add_argument("model", help="HF directory, MLA checkpoint, .gguf file, hub id, or smollm2-135m")

@@ -87,3 +87,33 @@ def save_figure(fig, out) -> list[Path]:
     fig.savefig(paths[0], dpi=150)
     fig.savefig(paths[1])
     return paths
+
+
+def niah_figure(result: dict):
+    """The needle-in-a-haystack map of an `eval niah` result: the mean score (%) of each needle depth (rows,
+    0 % = the start of the haystack, at the top) × context length (columns), white (0) to the dark purple
+    of the loss figure (100), each cell labelled."""
+    from matplotlib.colors import LinearSegmentedColormap
+
+    contexts = list(result["results"])
+    depths = list(result["results"][contexts[0]])
+    scores = [[100 * result["results"][c][d] for c in contexts] for d in depths]
+    cmap = LinearSegmentedColormap.from_list("retrieval", ["#ffffff", COLORS["d_kv=8"], COLORS["d_kv=16"],
+                                                           COLORS["d_kv=32"]])
+    fig = Figure(figsize=(1.6 + 0.9 * len(contexts), 1.4 + 0.42 * len(depths)))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    image = ax.imshow(scores, cmap=cmap, vmin=0, vmax=100, aspect="auto")
+    for i, row in enumerate(scores):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8,
+                    color="white" if value > 55 else "black")
+    ax.set_xticks(range(len(contexts)), contexts)
+    ax.set_yticks(range(len(depths)), depths)
+    ax.set_xlabel("Context length (tokens)")
+    ax.set_ylabel("Needle depth (%)")
+    ax.set_title(f"{Path(str(result.get('model', ''))).name} — {result.get('task', 'niah')}, "
+                 f"{result.get('samples', '?')} samples per cell", fontsize=9)
+    fig.colorbar(image, ax=ax, label="Score (%)")
+    fig.tight_layout()
+    return fig

@@ -349,29 +349,31 @@ def _evaluate(pair, documents: dict[str, list[dict]], limit: int | None, batch_s
 # ---------------------------------------------------------------- the paper's Table 1
 
 def compare_models(models: Sequence, tasks: str | Sequence[str] = TASKS, limit: int | None = None,
-                   data_dir: str | os.PathLike | None = None, batch_size: int = 8, dtype=None) -> dict:
+                   data_dir: str | os.PathLike | None = None, batch_size: int = 8, dtype=None, suite=None) -> dict:
     """One row per model (the first is the source): task scores, average, KV bytes and reduction.
 
     The KV reduction of every row is measured against the first model. Each model is loaded, run
-    and released in turn. Returns {"tasks", "limit", "rows": [{"model", "results", "average",
-    "kv_bytes_per_token", "reduction_pct", "seconds"}]}.
+    and released in turn. `suite`: a task group scoring a (model, tokenizer) pair in place of the
+    lm-eval tasks, pair → {"results": {COLUMN: {"acc", "acc_norm", "n"}}, "average", …} (the `ruler`
+    group: evaluate.ruler.ruler_suite). Returns {"tasks", "limit", "rows": [{"model", "results",
+    "average", "kv_bytes_per_token", "reduction_pct", "seconds"}]}.
     """
     if not models:
         raise UserError("give at least one model (the source first)")
     torch_dtype(dtype)
-    documents = _checked_documents(tasks, limit, data_dir, batch_size)
+    documents = _checked_documents(tasks, limit, data_dir, batch_size) if suite is None else None
     rows, source_config = [], None
     for spec in models:
         print(f"== {model_name(spec)}", file=sys.stderr)
         start = time.perf_counter()
         pair = as_model(spec, dtype)
         source_config = source_config or pair[0].config
-        scores = _evaluate(pair, documents, limit, batch_size)
+        scores = suite(pair) if suite is not None else _evaluate(pair, documents, limit, batch_size)
         kv = kv_report(pair[0].config, source_config=source_config)
         rows.append({"model": model_name(spec), **scores, "kv_bytes_per_token": kv["kv_bytes_per_token"],
                      "reduction_pct": kv["reduction_pct"], "seconds": time.perf_counter() - start})
         del pair
-    return {"tasks": list(documents), "limit": limit, "rows": rows}
+    return {"tasks": list(rows[0]["results"]), "limit": limit, "rows": rows}
 
 
 def markdown_table(table: dict) -> str:

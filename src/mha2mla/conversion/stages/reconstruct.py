@@ -9,9 +9,10 @@ source layer's own attention on the same inputs,
 
     L(θ) = Σ_b ‖o_MLA(x_b; θ) − o_src(x_b)‖² / Σ_b ‖o_src(x_b)‖²,
 
-one calibration batch b per step, round robin, for `steps` steps at learning rate `lr` decayed to zero
-on a cosine. The layer's function changes only where it was wrong: a converted layer that is already
-exact has zero gradient. The parameters trained are PARAMETERS (all of them by default: q_proj and
+one calibration block b (of T tokens) per step, round robin, for `steps` steps at learning rate `lr`
+decayed to zero on a cosine: a step costs one block's attention forward and backward. Adam's steps
+are normalised, so they do not vanish with the gradient: where training does not lower L on the
+calibration inputs (a layer already exact, or nearly), the layer keeps its closed-form parameters. The parameters trained are PARAMETERS (all of them by default: q_proj and
 k_rope_proj, kv_down, k_up, v_up, o_proj).
 """
 
@@ -34,17 +35,20 @@ def reconstruct(attn, inputs: list[torch.Tensor], targets: list[torch.Tensor], p
                 causal: torch.Tensor, steps: int, lr: float, parameters: tuple[str, ...] = PARAMETERS
                 ) -> tuple[float, float]:
     """Train `attn` (an MLAAttention) in place for `steps` Adam steps → (error before, error after) on
-    all the calibration batches. `targets`: the source attention's outputs on `inputs`."""
+    all the calibration batches, the closed form kept where training did not lower it. `targets`: the
+    source attention's outputs on `inputs`."""
     trained = [p for name in parameters for p in getattr(attn, name).parameters()]
     frozen = [p for p in attn.parameters() if all(p is not q for q in trained)]
+    closed_form = {name: t.clone() for name, t in attn.state_dict().items()}
     before = attention_error(attn, inputs, targets, causal, position_ids)
     optimizer = torch.optim.Adam(trained, lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     for p in frozen:
         p.requires_grad_(False)
+    blocks = [(x[i:i + 1], target[i:i + 1]) for x, target in zip(inputs, targets) for i in range(len(x))]
     with torch.enable_grad():
         for step in range(steps):
-            x, target = inputs[step % len(inputs)], targets[step % len(inputs)]
+            x, target = blocks[step % len(blocks)]
             loss = relative_error(attn(x, position_ids.expand(x.shape[0], -1), causal), target)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -52,4 +56,8 @@ def reconstruct(attn, inputs: list[torch.Tensor], targets: list[torch.Tensor], p
             schedule.step()
     for p in frozen:
         p.requires_grad_(True)
-    return before, attention_error(attn, inputs, targets, causal, position_ids)
+    after = attention_error(attn, inputs, targets, causal, position_ids)
+    if after >= before:
+        attn.load_state_dict(closed_form)
+        return before, before
+    return before, after
