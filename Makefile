@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-qwen test test-llama-cpp demo clean
+.PHONY: setup setup-qwen test test-llama-cpp demo gpu-check clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,12 @@ test-llama-cpp: setup
 
 demo: setup
 	$(VENV)/bin/mha2mla demo --out demo-out
+
+# one call on a GPU machine (docs/gpu.md): every GPU path checked and measured, results in gpu-out/results.md.
+# No setup: that machine has no network, so it runs on its own python3 (PYTHON=.venv/bin/python here);
+# the script keeps to its 510 s budget, `timeout` is the backstop.
+gpu-check:
+	timeout 540 $(PYTHON) benchmarks/gpu_check.py --out gpu-out
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache
