@@ -1,10 +1,11 @@
-# mha2mla — `make demo` runs the main job, `make test` the test suite; both set up .venv first.
+# mha2mla — `make demo` runs the main job, `make test` the test suite (`make test-fast`: unit and CLI tiers); all
+# set up .venv first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-qwen test test-llama-cpp demo gpu-check clean
+.PHONY: setup setup-qwen test test-fast test-llama-cpp demo gpu-check clean
 
 setup: $(STAMP)
 
@@ -24,11 +25,15 @@ setup-qwen: setup
 test: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra --durations=15
 
+# tiny models, the tiny tokenizer and text made in the test, CLI in-process: no shared data, no SmolLM2 (< 2 min)
+test-fast: setup
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra --durations=10 -m "not integration" tests/unit tests/cli tests/test_house.py
+
 # opt-in: the GGUF export run in llama.cpp. llama-cpp-python is a source distribution: pip builds llama.cpp
 # (955 s on 2 shared CPU cores here), then the tests marked llama_cpp run (a SmolLM2 conversion among them)
 test-llama-cpp: setup
 	$(PY) -m pip install --quiet llama-cpp-python==0.3.36
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra -m llama_cpp tests/test_export_gguf.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra -m llama_cpp tests/integration/test_llama_cpp.py
 
 demo: setup
 	$(VENV)/bin/mha2mla demo --out demo-out

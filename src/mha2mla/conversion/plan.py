@@ -121,7 +121,7 @@ def source_fields(config, layout: RopeLayout, svd: str, source_name: str, dtype:
         dtype=dtype)
 
 
-def budget_splits(config, budget: int, layout: RopeLayout, rope_pairs: int | None) -> list[Split]:
+def budget_splits(config, budget: int, layout: RopeLayout, rope_pairs: int | None = None) -> list[Split]:
     """The splits of a budget worth trying: the one `rope_pairs` leaves, or ROPE_SHARES of it for RoPE."""
     source = source_kv_values(config)
     smallest = layout.n_rope_keys * 2 + 1

@@ -52,7 +52,7 @@ def torch_dtype(name):
     if name is None or isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise UserError(f"unknown dtype '{name}': use {', '.join(DTYPES)}")
+        raise UserError(f"unknown --dtype {name}: use {', '.join(DTYPES)}")
     return getattr(torch, name)
 
 

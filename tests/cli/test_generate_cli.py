@@ -1,19 +1,18 @@
-"""`mha2mla generate` and `mha2mla bench decode` as a user runs them (subprocesses).
+"""`mha2mla generate` and `mha2mla bench decode` as a user runs them (`main(argv)` in-process, conftest's
+`cli`; bench decode measures each model in its own subprocess itself).
 
 Bad input must end in one line `error: …` and exit status 2, never a traceback. The models are
-tiny random checkpoints (an MLA one and a Llama source, context 64) with SmolLM2's tokenizer.
+tiny random checkpoints (an MLA one and a Llama source, context 64) with the tiny tokenizer.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import tiny_source
+from tiny import tiny_source
 
 CONTEXT = 64
 BENCH_KEYS = {"context", "batch", "source_prefill_s", "mla_prefill_s", "source_decode_tok_s", "mla_decode_tok_s",
@@ -21,11 +20,10 @@ BENCH_KEYS = {"context", "batch", "source_prefill_s", "mla_prefill_s", "source_d
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(smollm2, tmp_path_factory):
-    """(MLA checkpoint dir, Llama source dir): random weights, vocabulary of SmolLM2's tokenizer."""
+def tiny_dirs(tokenizer, tmp_path_factory):
+    """(MLA checkpoint dir, Llama source dir): random weights, vocabulary of the tiny tokenizer."""
     from mha2mla import MLAConfig, MLAForCausalLM
 
-    _, tokenizer = smollm2
     root = tmp_path_factory.mktemp("tiny_models")
     torch.manual_seed(0)
     mla = MLAForCausalLM(MLAConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -38,12 +36,7 @@ def tiny_dirs(smollm2, tmp_path_factory):
     return root / "mla", root / "source"
 
 
-def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mha2mla.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
-
-
-def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> None:
+def assert_user_error(proc, *words: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -54,38 +47,38 @@ def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> None:
 # --- generate --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bits", [None, 4])
-def test_generate_streams_the_prompt_and_its_continuation(tiny_dirs, bits):
+def test_generate_streams_the_prompt_and_its_continuation(cli, tiny_dirs, bits):
     mla, _ = tiny_dirs
     extra = ["--kv-bits", bits] if bits else []
-    proc = run_cli("generate", mla, "Once upon a time", "--max-new-tokens", 8, *extra)
+    proc = cli("generate", mla, "Once upon a time", "--max-new-tokens", 8, *extra)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Once upon a time") and len(proc.stdout) > len("Once upon a time")
 
 
-def test_generate_from_an_empty_prompt_starts_at_the_bos_token(tiny_dirs):
-    proc = run_cli("generate", tiny_dirs[0], "", "--max-new-tokens", 4)
+def test_generate_from_an_empty_prompt_starts_at_the_bos_token(cli, tiny_dirs):
+    proc = cli("generate", tiny_dirs[0], "", "--max-new-tokens", 4)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), proc.stdout
 
 
-def test_generate_rejects_kv_bits_outside_16_4_2(tiny_dirs):
-    assert_user_error(run_cli("generate", tiny_dirs[0], "hello", "--kv-bits", 8), "--kv-bits", "16, 4 or 2")
+def test_generate_rejects_kv_bits_outside_16_4_2(cli, tiny_dirs):
+    assert_user_error(cli("generate", tiny_dirs[0], "hello", "--kv-bits", 8), "--kv-bits", "16, 4 or 2")
 
 
-def test_generate_rejects_kv_bits_on_a_source_model(tiny_dirs):
-    assert_user_error(run_cli("generate", tiny_dirs[1], "hello", "--kv-bits", 4), "MLA", "convert")
+def test_generate_rejects_kv_bits_on_a_source_model(cli, tiny_dirs):
+    assert_user_error(cli("generate", tiny_dirs[1], "hello", "--kv-bits", 4), "MLA", "convert")
 
 
-def test_generate_rejects_a_prompt_longer_than_the_context(tiny_dirs):
-    assert_user_error(run_cli("generate", tiny_dirs[0], "word " * (2 * CONTEXT), "--max-new-tokens", 4),
+def test_generate_rejects_a_prompt_longer_than_the_context(cli, tiny_dirs):
+    assert_user_error(cli("generate", tiny_dirs[0], "word " * (2 * CONTEXT), "--max-new-tokens", 4),
                       "context of 64")
 
 
 # --- bench decode ----------------------------------------------------------------------------------
 
-def test_bench_decode_json_row_per_context_and_batch(tiny_dirs):
+def test_bench_decode_json_row_per_context_and_batch(cli, tiny_dirs):
     mla, source = tiny_dirs
-    proc = run_cli("bench", "decode", mla, "--source", source, "--context", 24, "--batch", 2, "--new-tokens", 4,
+    proc = cli("bench", "decode", mla, "--source", source, "--context", 24, "--batch", 2, "--new-tokens", 4,
                    "--chunk", 10, "--json")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
@@ -107,11 +100,11 @@ def test_bench_decode_json_row_per_context_and_batch(tiny_dirs):
     (["--context", CONTEXT], ["context of 64"]),
     (["--context", 24, "--batch", 10**12], ["--batch 1000000000000", "GiB available", "the largest that fits is --batch"]),
 ])
-def test_bench_decode_rejects_bad_options(tiny_dirs, args, words):
+def test_bench_decode_rejects_bad_options(cli, tiny_dirs, args, words):
     mla, source = tiny_dirs
-    assert_user_error(run_cli("bench", "decode", mla, "--source", source, *args), *words)
+    assert_user_error(cli("bench", "decode", mla, "--source", source, *args), *words)
 
 
-def test_bench_decode_needs_an_mla_model(tiny_dirs):
+def test_bench_decode_needs_an_mla_model(cli, tiny_dirs):
     _, source = tiny_dirs
-    assert_user_error(run_cli("bench", "decode", source, "--source", source), "MLA checkpoint", "convert")
+    assert_user_error(cli("bench", "decode", source, "--source", source), "MLA checkpoint", "convert")

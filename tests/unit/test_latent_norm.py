@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mha2mla import LatentCache, MLAForCausalLM
-from mha2mla.latent_norm import add_latent_norm, latent_mean_squares, norm_parameters
+from mha2mla.conversion.stages.latent_norm import add_latent_norm, latent_mean_squares, norm_parameters
 from mha2mla.modeling.modeling_mla import CACHE_NAME
-from test_latent_cache import tiny_mla, tokens
+from tiny import tiny_mla, tokens
 
 VARIANTS = {
     "shared": dict(rope_layout="shared", latent_norm=True),

@@ -1,4 +1,5 @@
-"""`mha2mla demo --fast` end to end on a tiny random GQA model, and its resumability."""
+"""`mha2mla demo --fast` end to end (`main(argv)` in-process) on a tiny random GQA model with the tiny
+tokenizer, and its resumability."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import json
 
 import pytest
 
-import mha2mla.demo
+import mha2mla.apps.demo
 from mha2mla.cli import main
-from test_train import text_dir, tiny_model, write_text  # noqa: F401  (fixtures)
+from tiny import write_text
 
 
 @pytest.fixture(scope="module")
-def demo_run(tiny_model, text_dir, tmp_path_factory):  # noqa: F811
+def demo_run(tiny_model, text_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     eval_text = write_text(out.parent / "eval" / "eval.txt", docs=20, seed=1)
     args = ["demo", "--out", str(out), "--model", str(tiny_model), "--data", str(text_dir), "--eval-data",
@@ -51,9 +52,9 @@ def test_rerun_skips_finished_runs(demo_run, monkeypatch, capsys):
     def no_work(*a, **k):
         raise AssertionError("a finished run was redone")
 
-    monkeypatch.setattr(mha2mla.demo, "train", no_work)
-    monkeypatch.setattr(mha2mla.demo, "convert_model", no_work)
-    monkeypatch.setattr(mha2mla.demo, "perplexity", no_work)
+    monkeypatch.setattr(mha2mla.apps.demo, "train", no_work)
+    monkeypatch.setattr(mha2mla.apps.demo, "convert", no_work)
+    monkeypatch.setattr(mha2mla.apps.demo, "perplexity", no_work)
     assert main(args) == 0
     assert "GQA2MLA" in capsys.readouterr().out
 

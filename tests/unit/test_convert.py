@@ -1,19 +1,17 @@
-"""Conversion exactness on tiny random models of every supported family, save → load, padding."""
+"""Conversion exactness on tiny random models of every supported family, padding (save → load in a fresh
+process without the package: tests/cli/test_convert_cli.py)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_source
+from tiny import ids_for, tiny_source
 
-from mha2mla.convert import convert_model
-from mha2mla.rope_layout import layout_for
-from mha2mla.expand import expand_to_mha
+from mha2mla import convert as convert_model
+from mha2mla.conversion.stages.rope.layout import layout_for
+from mha2mla.conversion.stages.expand import expand_to_mha
+from mha2mla.errors import UserError
 
 TOL = 1e-4  # fp32, max abs logit difference
 
@@ -25,29 +23,20 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2):
-    return smollm2[1]
-
-
 def source(name):
     family, kw = FAMILIES[name]
-    return tiny_source(family, vocab=49152, **kw)
+    return tiny_source(family, **kw)
 
 
-def convert_tiny(src, tokenizer, wiki_dir, **kw):
-    kw.setdefault("rope_strategy", "2-norm")
-    return convert_model((src, tokenizer), calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
+def convert_tiny(src, tokenizer, calib_text, **kw):
+    kw.setdefault("rope", "2-norm")
+    return convert_model((src, tokenizer), calib_data=[calib_text], calib_samples=4, calib_seq_len=32,
                          progress=False, **kw)[0]
 
 
 def full_rank_d_kv(config, rope_pairs):
     """The d_kv at which partial RoPE's latent keeps every position-free key row and value."""
     return layout_for("2-norm", config).max_latent(rope_pairs) // config.num_key_value_heads
-
-
-def ids_for(seed=1, batch=2, length=24):
-    return torch.randint(3, 49152, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def apply_rope_where(x, cos, sin, keep):
@@ -90,20 +79,20 @@ def masked_rope_reference(src, ids, kept_pairs):
 
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("init", ["weight", "activation", "output"])
-def test_full_rank_all_pairs_equals_source(name, init, tokenizer, wiki_dir):
+def test_full_rank_all_pairs_equals_source(name, init, tokenizer, calib_text):
     src = source(name)
     d_h = src.config.head_dim
-    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=d_h // 2, d_kv=full_rank_d_kv(src.config, d_h // 2), init=init)
+    mla = convert_tiny(src, tokenizer, calib_text, rope_pairs=d_h // 2, d_kv=full_rank_d_kv(src.config, d_h // 2), weighting=init)
     ids = ids_for()
     diff = (mla(ids).logits - src(ids).logits).abs().max().item()
     assert diff <= TOL, diff
 
 
-def test_full_rank_calibrated_on_the_source_equals_source(tokenizer, wiki_dir):
+def test_full_rank_calibrated_on_the_source_equals_source(tokenizer, calib_text):
     """sequential=False: every layer calibrated (and re-fit) on the source model's own activations."""
     src = source("llama-gqa")
     d_h = src.config.head_dim
-    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=d_h // 2, d_kv=full_rank_d_kv(src.config, d_h // 2),
+    mla = convert_tiny(src, tokenizer, calib_text, rope_pairs=d_h // 2, d_kv=full_rank_d_kv(src.config, d_h // 2),
                        sequential=False, refit="vo")
     ids = ids_for()
     diff = (mla(ids).logits - src(ids).logits).abs().max().item()
@@ -113,10 +102,10 @@ def test_full_rank_calibrated_on_the_source_equals_source(tokenizer, wiki_dir):
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("strategy,init", [("2-norm", "activation"), ("uniform", "weight"), ("high", "output"),
                                            ("low", "query")])
-def test_partial_rope_full_rank_equals_masked_reference(name, strategy, init, tokenizer, wiki_dir):
+def test_partial_rope_full_rank_equals_masked_reference(name, strategy, init, tokenizer, calib_text):
     src = source(name)
-    mla = convert_tiny(src, tokenizer, wiki_dir, rope_pairs=2, rope_strategy=strategy,
-                       d_kv=full_rank_d_kv(src.config, 2), init=init, refit="none")  # the refit would pull towards the source
+    mla = convert_tiny(src, tokenizer, calib_text, rope_pairs=2, rope=strategy,
+                       d_kv=full_rank_d_kv(src.config, 2), weighting=init, refit="none")  # the refit would pull towards the source
     ids = ids_for()
     ref = masked_rope_reference(src, ids, mla.config.kept_pairs)
     diff = (mla(ids).logits - ref).abs().max().item()
@@ -124,44 +113,10 @@ def test_partial_rope_full_rank_equals_masked_reference(name, strategy, init, to
     assert (src(ids).logits - ref).abs().max().item() > 10 * TOL  # dropping RoPE pairs did change the model
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
-def test_save_load_in_fresh_process_without_package(name, tokenizer, wiki_dir, tmp_path):
-    src = source(name)
-    mla = convert_model((src, tokenizer), tmp_path / "mla", d_kv=8, calib_data=[wiki_dir],
-                        calib_samples=4, calib_seq_len=32, progress=False)[0]
-    ids = ids_for()
-    torch.save(ids, tmp_path / "ids.pt")
-    script = textwrap.dedent(f"""
-        import sys
-        sys.modules["mha2mla"] = None  # the checkpoint must load without the package
-        import torch
-        from transformers import AutoModelForCausalLM
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'mla')!r}, trust_remote_code=True)
-        ids = torch.load({str(tmp_path / 'ids.pt')!r})
-        torch.save(model(ids).logits, {str(tmp_path / 'logits.pt')!r})
-        print(type(model).__module__)
-        # the tokenizer alone: no custom code, so no prompt and no warning
-        tokenizer = AutoTokenizer.from_pretrained({str(tmp_path / 'mla')!r}, subfolder="tokenizer")
-        print(tokenizer("hello world").input_ids)
-    """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
-                         stdin=subprocess.DEVNULL)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "modeling_mla" in run.stdout
-    assert str(tokenizer("hello world").input_ids) in run.stdout
-    assert "custom code" not in run.stdout + run.stderr and "instantiate a model of type" not in run.stderr
-    loaded = torch.load(tmp_path / "logits.pt")
-    assert (loaded - mla(ids).logits).abs().max().item() == 0.0
-    for f in ("configuration_mla.py", "modeling_mla.py", "latent_cache.py", "README.md", "tokenizer.json",
-              "model.safetensors", "generation_config.json"):
-        assert (tmp_path / "mla" / f).exists(), f
-
-
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_padded_batch_matches_rows_alone(side, tokenizer, wiki_dir):
+def test_padded_batch_matches_rows_alone(side, tokenizer, calib_text):
     src = source("qwen2-bias")
-    mla = convert_tiny(src, tokenizer, wiki_dir, d_kv=8, rope_pairs=2)
+    mla = convert_tiny(src, tokenizer, calib_text, d_kv=8, rope_pairs=2)
     a, b = ids_for(2, 1, 20)[0], ids_for(3, 1, 13)[0]
     pad = 20 - 13
     batch = torch.stack([a, F.pad(b, (pad, 0) if side == "left" else (0, pad))])
@@ -177,37 +132,37 @@ def test_padded_batch_matches_rows_alone(side, tokenizer, wiki_dir):
     assert (logits[1, real] - alone_b).abs().max().item() <= TOL
 
 
-def test_as_mha_is_exact(tokenizer, wiki_dir):
+def test_as_mha_is_exact(tokenizer, calib_text):
     src = source("llama-gqa")
     mha = expand_to_mha(src)
     assert mha.config.num_key_value_heads == mha.config.num_attention_heads
     ids = ids_for()
     assert (mha(ids).logits - src(ids).logits).abs().max().item() <= TOL
     d_h = src.config.head_dim
-    mla = convert_tiny(src, tokenizer, wiki_dir, as_mha=True, rope_pairs=d_h // 2, d_kv=d_h)
+    mla = convert_tiny(src, tokenizer, calib_text, as_mha=True, rope_pairs=d_h // 2, d_kv=d_h)
     assert mla.config.num_key_value_heads == 4
     assert (mla(ids).logits - src(ids).logits).abs().max().item() <= TOL
     kv = mla.config.conversion["kv"]
     assert kv["reduction_vs_original_pct"] < kv["reduction_pct"]  # MHA caches twice what the GQA source did
 
 
-def test_kv_size_matches_config(tokenizer, wiki_dir):
+def test_kv_size_matches_config(tokenizer, calib_text):
     src = source("llama-gqa")
-    mla = convert_tiny(src, tokenizer, wiki_dir, d_kv=4, rope_pairs=2)
+    mla = convert_tiny(src, tokenizer, calib_text, d_kv=4, rope_pairs=2)
     kv = mla.config.conversion["kv"]
     assert kv["kv_elements_per_token_per_layer"] == 2 * (2 * 2 + 4)
     assert kv["reduction_pct"] == pytest.approx(100 * (1 - 16 / (2 * 2 * 16)))
 
 
 @pytest.mark.parametrize("method", ["near_linear", "rms"])
-def test_latent_norm_conversion_and_its_exact_export(method, tokenizer, wiki_dir, tmp_path):
+def test_latent_norm_conversion_and_its_exact_export(method, tokenizer, calib_text, tmp_path):
     """--latent-norm: every layer gets DeepSeek's latent RMSNorm as its last stage; near_linear keeps
     the function (the plain conversion's logits), and the DeepSeek-V3 export of the result is exact."""
     from mha2mla.exports.deepseek_v3 import export_checkpoint
 
     src = source("llama-gqa")
-    plain = convert_tiny(src, tokenizer, wiki_dir, rope_strategy="pca", d_kv=8)
-    normed = convert_tiny(src, tokenizer, wiki_dir, rope_strategy="pca", d_kv=8, latent_norm=method,
+    plain = convert_tiny(src, tokenizer, calib_text, rope="pca", d_kv=8)
+    normed = convert_tiny(src, tokenizer, calib_text, rope="pca", d_kv=8, latent_norm=method,
                           out=tmp_path / "mla")
     assert normed.config.latent_norm and normed.config.conversion["latent_norm"] == method
     assert all(layer.self_attn.kv_norm is not None for layer in normed.model.layers)
@@ -218,17 +173,36 @@ def test_latent_norm_conversion_and_its_exact_export(method, tokenizer, wiki_dir
         assert gap <= 1e-3, gap
     else:
         assert gap > 1e-3  # the ordinary regime rescales every token's latent by median/own RMS
-    report = export_checkpoint(tmp_path / "mla", tmp_path / "ds", calib_data=[wiki_dir], calib_seq_len=64)
+    report = export_checkpoint(tmp_path / "mla", tmp_path / "ds", calib_data=[calib_text], calib_seq_len=64)
     assert report["latent_norm"] == "the model's own" and report["logits_gap"]["max_abs"] < 1e-4
 
 
-def test_the_package_convert_stays_the_function_after_the_submodule_is_imported():
-    """`from mha2mla import convert` (the README's quickstart) gives the function, even in a process that
-    imported the submodule mha2mla.convert first (as the CLI does)."""
+def test_the_public_convert_is_the_function_and_no_submodule_shadows_it():
+    """`from mha2mla import convert` (the README's quickstart) gives the pipeline's function, also in a process
+    that imported every conversion module first (as the CLI does); no submodule is called `convert`."""
     import importlib
     import inspect
 
-    importlib.import_module("mha2mla.convert")
+    for name in ("conversion", "conversion.pipeline", "conversion.plan", "exports", "cli"):
+        importlib.import_module(f"mha2mla.{name}")
+    import mha2mla
     from mha2mla import convert
 
-    assert inspect.isfunction(convert) and convert.__module__ == "mha2mla"
+    assert inspect.isfunction(convert) and convert.__module__ == "mha2mla.conversion.pipeline"
+    assert mha2mla.convert is convert and importlib.util.find_spec("mha2mla.convert") is None
+
+
+@pytest.mark.parametrize("changes, needle", [
+    (dict(rope="uniform", rope_pairs=3), "uniform"),   # uniform needs r dividing d_h/2
+    (dict(kv_balance="heavy"), "kv_balance"),
+    (dict(kv_balance=-1.0), "kv_balance"),
+    (dict(weighting="bogus"), "weighting"),
+    (dict(svd="split", d_kv=None, kv_budget=11, rope_pairs=1), "even"),  # a 7-wide latent
+    (dict(flavour="x"), "unknown recipe setting"),
+])
+def test_bad_recipe_settings_are_user_errors(changes, needle, tokenizer, calib_text, tmp_path):
+    """The ablation settings left the CLI; from Python they are checked as the CLI's options are."""
+    with pytest.raises(UserError, match=needle):
+        convert_model((tiny_source("llama"), tokenizer), tmp_path / "mla", recipe="paper", calib_data=[calib_text],
+                      **{"d_kv": 4, **changes})
+    assert not (tmp_path / "mla").exists()

@@ -8,20 +8,15 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_source
+from tiny import tiny_source, write_llama_gguf
 from safetensors.torch import load_file
 
-from mha2mla.convert import convert_checkpoint, convert_model
+from mha2mla.conversion.pipeline import convert_checkpoint, convert as convert_model
 from mha2mla.errors import UserError
-from mha2mla.lowrank import cholesky_factor
-from mha2mla.weights import SAFE_INDEX, SAFE_WEIGHTS, GGUFTensorReader, SafetensorsReader, ShardWriter, open_gguf
+from mha2mla.conversion.stages.lowrank import cholesky_factor
+from mha2mla.io.readers import SAFE_INDEX, SAFE_WEIGHTS, SafetensorsReader, ShardWriter
 
 SETTINGS = dict(calib_samples=4, calib_seq_len=32, progress=False)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2):
-    return smollm2[1]
 
 
 def test_shard_writer_layout_loads_back(tmp_path):
@@ -49,18 +44,18 @@ def test_shard_writer_layout_loads_back(tmp_path):
 
 
 @pytest.mark.parametrize("family,kw", [("llama", dict(n_kv=2)), ("qwen2", dict(n_kv=2))])
-def test_streaming_from_shards_equals_in_memory(family, kw, tokenizer, wiki_dir, tmp_path):
+def test_streaming_from_shards_equals_in_memory(family, kw, tokenizer, calib_text, tmp_path):
     """A source saved in several shards converts, streamed, to exactly the weights of the in-memory path."""
-    src = tiny_source(family, vocab=49152, **kw)
+    src = tiny_source(family, **kw)
     path = tmp_path / "src"
-    src.save_pretrained(path, max_shard_size="1MB")
+    src.save_pretrained(path, max_shard_size="100KB")
     tokenizer.save_pretrained(path)
     assert len(json.loads((path / SAFE_INDEX).read_text())["weight_map"]) > 1
     assert len(list(path.glob("*.safetensors"))) > 2
-    streamed, saved_tokenizer = convert_model(path, tmp_path / "mla", calib_data=[wiki_dir], kv_budget=40,
+    streamed, saved_tokenizer = convert_model(path, tmp_path / "mla", calib_data=[calib_text], kv_budget=40,
                                               **SETTINGS)
     # the directory's tokenizer (transformers picks its class by the config's model type)
-    in_memory, _ = convert_model((src, saved_tokenizer), calib_data=[wiki_dir], kv_budget=40, **SETTINGS)
+    in_memory, _ = convert_model((src, saved_tokenizer), calib_data=[calib_text], kv_budget=40, **SETTINGS)
     a, b = streamed.state_dict(), in_memory.state_dict()
     assert a.keys() == b.keys()
     for name in a:
@@ -69,89 +64,32 @@ def test_streaming_from_shards_equals_in_memory(family, kw, tokenizer, wiki_dir,
     assert streamed.config.conversion["budget_candidates"] == in_memory.config.conversion["budget_candidates"]
 
 
-def test_gguf_reader_gives_the_tensors_of_transformers_gguf_loader(smollm2):
-    """Every tensor read (and dequantized, un-permuted) one at a time equals transformers' whole-file load."""
-    from mha2mla.sources import bundled_gguf
-
-    model = smollm2[0]
-    reader = GGUFTensorReader(open_gguf(bundled_gguf("smollm2-135m")), model.config)
-    state = model.state_dict()
-    expected = {n for n in state if n != "lm_head.weight"}  # tied to the embeddings: not in the file
-    assert reader.names() == expected
-    for name in sorted(expected):
-        assert torch.equal(reader.get(name), state[name]), name
-
-
-def write_llama_gguf(model, path, tokenizer_gguf) -> None:
-    """`model` (a Llama) as llama.cpp's converter writes it: GGUF names, q/k rows permuted, float32
-    tensors, the metadata transformers reads, and the tokenizer of another GGUF file."""
-    import gguf
-
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_vocab_size(config.vocab_size)
-    for name, field in gguf.GGUFReader(tokenizer_gguf).fields.items():
-        if name.startswith("tokenizer."):
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-
-    def permute(w, heads):  # llama.cpp's rotary layout: interleaved pairs per head
-        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        base, suffix = name.rsplit(".", 1)
-        w = tensor.float().numpy()
-        if ".q_proj." in name:
-            w = permute(w, config.num_attention_heads)
-        elif ".k_proj." in name:
-            w = permute(w, config.num_key_value_heads)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def test_streaming_from_gguf_equals_in_memory(smollm2, wiki_dir, tmp_path):
-    """A tiny random Llama written as GGUF converts, streamed from the file, to exactly the weights of
-    converting the same model in memory."""
+def test_streaming_from_gguf_equals_in_memory(tokenizer, calib_text, tmp_path):
+    """A tiny random Llama written as GGUF (with the tiny tokenizer) converts, streamed from the file, to
+    exactly the weights of converting the same model in memory."""
     from transformers import AutoTokenizer
 
-    from mha2mla.sources import bundled_gguf
-
-    src = tiny_source("llama", vocab=49152, n_kv=2, tie_word_embeddings=False)
+    src = tiny_source("llama", n_kv=2, tie_word_embeddings=False)
     path = tmp_path / "tiny.gguf"
-    write_llama_gguf(src, path, bundled_gguf("smollm2-135m"))
+    write_llama_gguf(src, path, tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
-    streamed, _ = convert_model(path, tmp_path / "mla", calib_data=[wiki_dir], kv_budget=40, **SETTINGS)
-    in_memory, _ = convert_model((src, tokenizer), calib_data=[wiki_dir], kv_budget=40, **SETTINGS)
+    streamed, _ = convert_model(path, tmp_path / "mla", calib_data=[calib_text], kv_budget=40, **SETTINGS)
+    in_memory, _ = convert_model((src, tokenizer), calib_data=[calib_text], kv_budget=40, **SETTINGS)
     a, b = streamed.state_dict(), in_memory.state_dict()
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
 
-def test_bf16_source_with_few_calibration_tokens_converts_like_fp32(tokenizer, wiki_dir, tmp_path):
+def test_bf16_source_with_few_calibration_tokens_converts_like_fp32(tokenizer, calib_text, tmp_path):
     """Statistics do not depend on the storage dtype: a bf16 checkpoint is computed in float32 (fewer
     calibration tokens (64) than hidden dims (256): the damping makes the second moment definite)."""
-    src = tiny_source("llama", n_heads=8, head_dim=32, n_kv=4, vocab=49152)
+    src = tiny_source("llama", n_heads=8, head_dim=32, n_kv=4)
     for dtype in (torch.bfloat16, torch.float32):
         path = tmp_path / str(dtype)
         src.to(dtype).save_pretrained(path)
         tokenizer.save_pretrained(path)
-    settings = dict(calib_data=[wiki_dir], calib_samples=2, calib_seq_len=32, progress=False, d_kv=8)
+    settings = dict(calib_data=[calib_text], calib_samples=2, calib_seq_len=32, progress=False, d_kv=8)
     bf16, _ = convert_model(tmp_path / str(torch.bfloat16), **settings)
     fp32, _ = convert_model(tmp_path / str(torch.float32), **settings)
     assert bf16.dtype == torch.bfloat16 and fp32.dtype == torch.float32
@@ -172,22 +110,22 @@ def test_cholesky_of_singular_or_non_finite_statistics():
         cholesky_factor(-torch.eye(4, dtype=torch.float64))
 
 
-def test_full_disk_is_a_user_error_and_leaves_nothing(tokenizer, wiki_dir, tmp_path, monkeypatch):
+def test_full_disk_is_a_user_error_and_leaves_nothing(tokenizer, calib_text, tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("mha2mla.weights.save_file", full)
+    monkeypatch.setattr("mha2mla.io.readers.save_file", full)
     out = tmp_path / "mla"
     with pytest.raises(UserError, match="disk is full"):
-        convert_checkpoint((tiny_source("llama", vocab=49152), tokenizer), out, calib_data=[wiki_dir], d_kv=4,
+        convert_checkpoint((tiny_source("llama"), tokenizer), out, calib_data=[calib_text], d_kv=4,
                            **SETTINGS)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_missing_shard_and_truncated_file_are_user_errors(tokenizer, tmp_path):
-    src = tiny_source("llama", vocab=49152)
+    src = tiny_source("llama")
     path = tmp_path / "src"
-    src.save_pretrained(path, max_shard_size="1MB")
+    src.save_pretrained(path, max_shard_size="100KB")
     shards = sorted(path.glob("*.safetensors"))
     data = shards[0].read_bytes()
     shards[0].write_bytes(data[: len(data) // 2])
@@ -199,7 +137,7 @@ def test_missing_shard_and_truncated_file_are_user_errors(tokenizer, tmp_path):
 
 
 def test_device_choice():
-    from mha2mla.convert import compute_device
+    from mha2mla.conversion.pipeline import compute_device
 
     assert compute_device("cpu") == torch.device("cpu")
     assert compute_device(None) == torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import tiny_source
+from tiny import ids_for, tiny_source
 
-from mha2mla.budget import budget_splits
-from mha2mla.convert import convert_model
-from mha2mla.rope_layout import layout_for
-from mha2mla.rope_pca import pca_basis
+from mha2mla.conversion.plan import budget_splits
+from mha2mla import convert as convert_model
+from mha2mla.conversion.stages.rope.layout import layout_for
+from mha2mla.conversion.stages.rope.pca import pca_basis
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2):
-    return smollm2[1]
-
-
-def ids_for(seed=1):
-    return torch.randint(3, 49152, (2, 24), generator=torch.Generator().manual_seed(seed))
 
 
 def decode_steps(mla, ids, prefill: int):
@@ -38,12 +27,12 @@ def decode_steps(mla, ids, prefill: int):
 
 
 @pytest.mark.parametrize("family,n_kv", [("llama", 2), ("llama", 4), ("qwen2", 2)])
-def test_pca_rotation_nothing_dropped_is_exact(family, n_kv, tokenizer, wiki_dir):
-    src = tiny_source(family, vocab=49152, n_kv=n_kv)
+def test_pca_rotation_nothing_dropped_is_exact(family, n_kv, tokenizer, calib_text):
+    src = tiny_source(family, n_kv=n_kv)
     pairs = n_kv * src.config.head_dim // 2  # every component keeps RoPE
     latent = layout_for("pca", src.config).max_latent(pairs)
-    mla, _ = convert_model((src, tokenizer), d_kv=latent // n_kv, rope_pairs=pairs, rope_strategy="pca",
-                           freq_fold=1, calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32, progress=False)
+    mla, _ = convert_model((src, tokenizer), d_kv=latent // n_kv, rope_pairs=pairs, rope="pca",
+                           freq_fold=1, calib_data=[calib_text], calib_samples=4, calib_seq_len=32, progress=False)
     assert mla.config.rope_layout == "shared" and mla.config.n_rope_heads == 1
     ids = ids_for()
     assert (mla(ids).logits - src(ids).logits).abs().max().item() <= TOL
@@ -64,10 +53,10 @@ def test_folded_rope_components_are_spread_over_frequency_groups():
     assert sorted(more.freq_index) == [0, 2, 4, 6]  # two per group: ranks 0 and 1 at frequencies 0 and 2 of it
 
 
-def test_pca_cached_decoding_matches_full_forward(tokenizer, wiki_dir):
-    src = tiny_source("llama", vocab=49152, n_kv=2)
-    mla, _ = convert_model((src, tokenizer), d_kv=8, rope_pairs=4, rope_strategy="pca", freq_fold=2,
-                           calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32, progress=False)
+def test_pca_cached_decoding_matches_full_forward(tokenizer, calib_text):
+    src = tiny_source("llama", n_kv=2)
+    mla, _ = convert_model((src, tokenizer), d_kv=8, rope_pairs=4, rope="pca", freq_fold=2,
+                           calib_data=[calib_text], calib_samples=4, calib_seq_len=32, progress=False)
     ids = ids_for()
     stepped, cache = decode_steps(mla, ids, 16)
     assert (stepped - mla(ids).logits).abs().max().item() <= TOL
@@ -75,14 +64,14 @@ def test_pca_cached_decoding_matches_full_forward(tokenizer, wiki_dir):
 
 
 @pytest.mark.parametrize("strategy,budget", [("pca", 40), ("pca", 27), ("2-norm", 40)])
-def test_budget_is_met_exactly(strategy, budget, tokenizer, wiki_dir):
-    src = tiny_source("llama", vocab=49152, n_kv=2)
-    mla, _ = convert_model((src, tokenizer), kv_budget=budget, rope_strategy=strategy, calib_data=[wiki_dir],
+def test_budget_is_met_exactly(strategy, budget, tokenizer, calib_text):
+    src = tiny_source("llama", n_kv=2)
+    mla, _ = convert_model((src, tokenizer), kv_budget=budget, rope=strategy, calib_data=[calib_text],
                            calib_samples=4, calib_seq_len=32, progress=False)
     assert mla.config.kv_elements_per_token_per_layer == budget
     tried = mla.config.conversion["budget_candidates"]
-    assert len(tried) >= 2 and all(t["held_in_loss"] > 0 for t in tried)
-    best = min(tried, key=lambda t: t["held_in_loss"])
+    assert len(tried) >= 2 and all(t["held_out_loss"] > 0 for t in tried)
+    best = min(tried, key=lambda t: t["held_out_loss"])
     assert (best["rope_pairs"], best["latent_dim"]) == (mla.config.rope_pairs, mla.config.latent_dim)
     ids = ids_for()
     stepped, cache = decode_steps(mla, ids, 16)   # the cache holds exactly the budget per token and layer
@@ -90,38 +79,15 @@ def test_budget_is_met_exactly(strategy, budget, tokenizer, wiki_dir):
     assert cache.numel() == mla.config.num_hidden_layers * 2 * 24 * budget
 
 
-def test_kv_budget_cli_and_errors(smollm2, wiki_dir, tmp_path):
-    src_dir = tmp_path / "src"
-    tiny_source("llama", vocab=49152, n_kv=2).save_pretrained(src_dir)
-    smollm2[1].save_pretrained(src_dir)
-    out = tmp_path / "mla"
-    common = ["--calib-data", str(wiki_dir), "--calib-samples", "2", "--calib-seq-len", "32"]
-    run = subprocess.run([sys.executable, "-m", "mha2mla.cli", "convert", str(src_dir), str(out), "--kv-budget", "30",
-                          "--rope-strategy", "pca", *common, "--json"], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    kv = subprocess.run([sys.executable, "-m", "mha2mla.cli", "kv-size", str(out), "--json"], capture_output=True,
-                        text=True)
-    report = json.loads(kv.stdout.strip().splitlines()[-1])
-    # shared RoPE key: d_kv names the paper's layout of the same size, 2·(d_kv + 2·d_h/16) = 30 with d_h 16
-    assert report["kv_elements_per_token_per_layer"] == 30 and report["d_kv"] == 13
-    for budget in ("2", "64", "1000"):  # below the smallest possible; the source's own size; above it
-        bad = tmp_path / f"bad{budget}"
-        run = subprocess.run([sys.executable, "-m", "mha2mla.cli", "convert", str(src_dir), str(bad), "--kv-budget",
-                              budget, "--rope-strategy", "pca", *common], capture_output=True, text=True)
-        assert run.returncode == 2 and "Traceback" not in run.stderr
-        assert [line for line in run.stderr.splitlines() if line.startswith("error: ")][0].count("--kv-budget")
-        assert not bad.exists()
-
-
-def test_kv_balance_auto_is_chosen_on_held_in_text(tokenizer, wiki_dir):
-    src = tiny_source("llama", vocab=49152, n_kv=2)
-    mla, _ = convert_model((src, tokenizer), d_kv=4, rope_pairs=2, rope_strategy="2-norm", kv_balance="auto",
-                           calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32, progress=False)
+def test_kv_balance_auto_is_chosen_on_held_out_text(tokenizer, calib_text):
+    src = tiny_source("llama", n_kv=2)
+    mla, _ = convert_model((src, tokenizer), d_kv=4, rope_pairs=2, rope="2-norm", kv_balance="auto",
+                           calib_data=[calib_text], calib_samples=4, calib_seq_len=32, progress=False)
     tried = mla.config.conversion["budget_candidates"]
     assert sorted(t["kv_balance"] for t in tried) == [0.25, 1.0, 4.0]
-    best = min(tried, key=lambda t: t["held_in_loss"])
+    best = min(tried, key=lambda t: t["held_out_loss"])
     assert mla.config.conversion["kv_balance"] == best["kv_balance"]
-    losses = {t["kv_balance"]: t["held_in_loss"] for t in tried}
+    losses = {t["kv_balance"]: t["held_out_loss"] for t in tried}
     assert len(set(losses.values())) == 3  # the balance really changes the factorisation
 
 
@@ -148,14 +114,14 @@ def test_layers_with_their_own_split_decode_exactly(layout):
 
 
 @pytest.mark.parametrize("strategy", ["pca", "2-norm"])
-def test_per_layer_split_meets_the_budget_in_every_layer(strategy, tokenizer, wiki_dir, tmp_path):
-    from mha2mla.budget import budget_splits
+def test_per_layer_split_meets_the_budget_in_every_layer(strategy, tokenizer, calib_text, tmp_path):
+    from mha2mla.conversion.plan import budget_splits
     from mha2mla.evaluate.kv_memory import kv_size_of
 
-    src = tiny_source("llama", vocab=49152, n_kv=2, layers=3)
+    src = tiny_source("llama", n_kv=2, layers=3)
     budget = 40
-    mla, _ = convert_model((src, tokenizer), tmp_path / "mla", kv_budget=budget, rope_strategy=strategy,
-                           per_layer_split=True, calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
+    mla, _ = convert_model((src, tokenizer), tmp_path / "mla", kv_budget=budget, rope=strategy,
+                           allocate="per-layer", calib_data=[calib_text], calib_samples=4, calib_seq_len=32,
                            progress=False)
     c = mla.config
     options = budget_splits(src.config, budget, layout_for(strategy, src.config, fold=4))
@@ -164,50 +130,53 @@ def test_per_layer_split_meets_the_budget_in_every_layer(strategy, tokenizer, wi
     assert [c.kv_elements_at(i) for i in range(3)] == [budget] * 3
     assert kv_size_of(tmp_path / "mla")["kv_elements_per_token_per_layer"] == budget
     ids = ids_for()
-    torch.save(ids, tmp_path / "ids.pt")
-    script = ("import torch\nfrom transformers import AutoModelForCausalLM\n"
-              f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'mla')!r}, trust_remote_code=True)\n"
-              f"torch.save(m(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'out.pt')!r})\n")
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert (torch.load(tmp_path / "out.pt") - mla(ids).logits).abs().max().item() == 0.0
+    # the checkpoint's own modeling code, the class its auto_map names (what AutoModelForCausalLM with
+    # trust_remote_code loads where the package is not imported), reads the per-layer split
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    auto_map = json.loads((tmp_path / "mla" / "config.json").read_text())["auto_map"]
+    own_class = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], str(tmp_path / "mla"))
+    loaded = own_class.from_pretrained(tmp_path / "mla").eval()
+    assert not type(loaded).__module__.startswith("mha2mla") and type(loaded).__module__.endswith("modeling_mla")
+    assert not type(loaded.config).__module__.startswith("mha2mla")
+    with torch.no_grad():
+        assert (loaded(ids).logits - mla(ids).logits).abs().max().item() == 0.0
 
 
-def test_per_layer_split_needs_a_budget(tokenizer, wiki_dir):
+def test_per_layer_split_needs_a_budget(tokenizer, calib_text):
     from mha2mla.errors import UserError
 
     with pytest.raises(UserError, match="--kv-budget"):
-        convert_model((tiny_source("llama", vocab=49152), tokenizer), d_kv=4, per_layer_split=True,
-                      calib_data=[wiki_dir], calib_samples=2, calib_seq_len=32, progress=False)
+        convert_model((tiny_source("llama"), tokenizer), d_kv=4, allocate="per-layer",
+                      calib_data=[calib_text], calib_samples=2, calib_seq_len=32, progress=False)
 
 
-def test_held_in_blocks_are_the_next_documents(tokenizer, tmp_path):
-    from mha2mla.data import calibration_blocks
+def test_held_out_blocks_are_the_next_documents(tokenizer, tmp_path):
+    from mha2mla.io.text import calibration_blocks
 
     docs = [f"Document {i}. " + " ".join(f"word{i}x{j}" for j in range(60)) for i in range(8)]
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    calib, held_in = calibration_blocks(tokenizer, [path], 32, n_calib=2, n_held_in=3)
+    calib, held_out = calibration_blocks(tokenizer, [path], 32, n_calib=2, n_held_out=3)
     tokens = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs]
     assert len(tokens[0]) > 64  # both calibration blocks come from document 0 …
     assert calib.tolist() == [tokens[0][:32], tokens[0][32:64]]
-    assert held_in.tolist() == [t[:32] for t in tokens[1:4]]  # … the held-in blocks from documents 1-3
+    assert held_out.tolist() == [t[:32] for t in tokens[1:4]]  # … the held-out blocks from documents 1-3
 
 
-def test_budget_search_without_enough_held_in_documents_is_a_user_error(tokenizer, tmp_path):
+def test_budget_search_without_enough_held_out_documents_is_a_user_error(tokenizer, tmp_path):
     from mha2mla.errors import UserError
 
     path = tmp_path / "one.txt"
-    path.write_text(" ".join(f"word{j}" for j in range(400)))  # one document: nothing left for held-in text
+    path.write_text(" ".join(f"word{j}" for j in range(400)))  # one document: nothing left for held-out text
     with pytest.raises(UserError, match="more documents"):
-        convert_model((tiny_source("llama", vocab=49152), tokenizer), kv_budget=40, rope_strategy="pca",
+        convert_model((tiny_source("llama"), tokenizer), kv_budget=40, rope="pca",
                       calib_data=[path], calib_samples=2, calib_seq_len=32, progress=False)
 
 
 def test_d_kv_names_the_cache_in_the_papers_terms():
     """SmolLM2's shape: the per-head layout at d_kv=16 (r=4) and the shared key with 16 RoPE dims cache
     72 values each, and both are called d_kv=16."""
-    from mha2mla.convert import paper_d_kv
     from mha2mla.modeling import MLAConfig
 
     smol = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=2)
@@ -215,13 +184,13 @@ def test_d_kv_names_the_cache_in_the_papers_terms():
     per_head = MLAConfig(**smol, rope_layout="per_head", d_kv=16, rope_pairs=4)
     assert (shared.latent_dim, per_head.latent_dim) == (56, 48)
     assert shared.kv_elements_per_token_per_layer == per_head.kv_elements_per_token_per_layer == 72
-    assert paper_d_kv(shared) == paper_d_kv(per_head) == 16
+    assert shared.paper_d_kv() == per_head.paper_d_kv() == shared.d_kv == per_head.d_kv == 16
     uneven = MLAConfig(**smol, rope_layout="shared", rope_pairs=8, layer_rope_pairs=[8, 4], layer_latent_dims=[56, 66])
-    assert paper_d_kv(uneven) == pytest.approx((72 + 74) / 2 / 3 - 8, abs=0.01)
+    assert uneven.paper_d_kv() == pytest.approx((72 + 74) / 2 / 3 - 8, abs=0.01)
 
 
 def test_allocation_is_the_least_summed_error_at_exactly_the_total():
-    from mha2mla.allocate import allocate, interpolate, width_grid
+    from mha2mla.conversion.allocate import allocate, interpolate, width_grid
 
     assert interpolate({2: 1.0, 4: 0.0, 5: 0.0}) == {2: 1.0, 3: 0.5, 4: 0.0, 5: 0.0}
     assert width_grid(8, cap=12) == [2, 4, 6, 8, 10, 12]        # GRID × 8, the 16 and 24 capped at 12
@@ -245,13 +214,13 @@ def test_allocation_is_the_least_summed_error_at_exactly_the_total():
 
 
 @pytest.mark.parametrize("strategy", ["pca", "2-norm"])
-def test_global_allocation_keeps_the_total_and_decodes_exactly(strategy, tokenizer, wiki_dir, tmp_path):
+def test_global_allocation_keeps_the_total_and_decodes_exactly(strategy, tokenizer, calib_text, tmp_path):
     from mha2mla.evaluate.kv_memory import kv_size_of
 
-    src = tiny_source("llama", vocab=49152, n_kv=2, layers=3)
+    src = tiny_source("llama", n_kv=2, layers=3)
     budget = 40
-    mla, _ = convert_model((src, tokenizer), tmp_path / "mla", kv_budget=budget, rope_strategy=strategy,
-                           allocate="global", calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32,
+    mla, _ = convert_model((src, tokenizer), tmp_path / "mla", kv_budget=budget, rope=strategy,
+                           allocate="global", calib_data=[calib_text], calib_samples=4, calib_seq_len=32,
                            progress=False)
     c = mla.config
     per_layer = [c.kv_elements_at(i) for i in range(3)]
@@ -267,10 +236,11 @@ def test_global_allocation_keeps_the_total_and_decodes_exactly(strategy, tokeniz
     assert cache.numel() == 2 * 24 * sum(per_layer)
 
 
-def test_global_allocation_refuses_what_sets_widths_itself(tokenizer, wiki_dir, tmp_path):
+def test_global_allocation_refuses_what_sets_widths_itself(tokenizer, calib_text, tmp_path):
     from mha2mla.errors import UserError
 
-    src = tiny_source("llama", vocab=49152, n_kv=2, layers=2)
-    with pytest.raises(UserError, match="--allocate global"):
-        convert_model((src, tokenizer), tmp_path / "mla", kv_budget=40, allocate="global", per_layer_split=True,
-                      calib_data=[wiki_dir], calib_samples=4, calib_seq_len=32, progress=False)
+    src = tiny_source("llama", n_kv=2, layers=2)
+    with pytest.raises(UserError, match="global allocation sets each layer's latent width"):
+        convert_model((src, tokenizer), tmp_path / "mla", kv_budget=40, allocate="global", svd="split",
+                      calib_data=[calib_text], calib_samples=4, calib_seq_len=32, progress=False)
+    assert not (tmp_path / "mla").exists()

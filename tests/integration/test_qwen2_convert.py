@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from mha2mla.convert import convert_model
+from mha2mla import convert as convert_model
 
 TOL = 2e-3  # fp32, max abs logit difference relative to the largest logit (24 layers, other summation order)
 
@@ -24,8 +24,8 @@ def test_qwen2_full_rank_conversion_keeps_the_logits(wiki_dir, tmp_path):
 
     source, tokenizer = load_source("qwen2.5-0.5b")
     # every frequency pair kept with RoPE, the latent as wide as the value rows: nothing dropped
-    mla, _ = convert_model("qwen2.5-0.5b", tmp_path / "mla", rope_strategy="2-norm", rope_pairs=32, d_kv=64,
-                           init="weight", refit="none", calib_data=[wiki_dir], calib_samples=1, calib_seq_len=32,
+    mla, _ = convert_model("qwen2.5-0.5b", tmp_path / "mla", rope="2-norm", rope_pairs=32, d_kv=64,
+                           weighting="weight", refit="none", calib_data=[wiki_dir], calib_samples=1, calib_seq_len=32,
                            progress=False)
     assert mla.config.source_family == "qwen2" and mla.config.attention_bias
     ids = tokenizer("def fibonacci(n):\n    if n < 2:\n        return n", return_tensors="pt")["input_ids"]

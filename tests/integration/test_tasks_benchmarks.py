@@ -1,29 +1,24 @@
-"""The evaluation suite: local benchmark files → lm-eval tasks, Table-1 comparison, passkey retrieval, CLI errors.
+"""The evaluation suite on the local benchmark files: lm-eval tasks, Table-1 comparison, passkey retrieval.
 
 Document counts and gold answers are checked against the files in ../shared/data/benchmarks; tiny
-random models (a source and our own MLAForCausalLM) run every task; the real SmolLM2-135M must beat
-chance on ARC-Easy and PIQA and find a passkey in 1K tokens (in its own float32: bfloat16 is faster
-only on CPUs with AMX/AVX512-BF16 units, and emulated — many times slower — on the others).
+random models (a source and our own MLAForCausalLM, with the tiny tokenizer) run every task; the real
+SmolLM2-135M must beat chance on ARC-Easy and PIQA and find a passkey in 1K tokens (in its own float32:
+bfloat16 is faster only on CPUs with AMX/AVX512-BF16 units, and emulated — many times slower — on the
+others). HellaSwag's capitalisation: tests/unit/test_tasks.py; the CLI's errors: tests/cli/test_tasks_cli.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import tiny_source
+from tiny import tiny_source
 
-from mha2mla.evaluate.tasks import (TASKS, capitalize_last_fragment, compare_models, evaluate_tasks, load_docs,
-                                    markdown_table)
+from mha2mla.evaluate.tasks import TASKS, compare_models, evaluate_tasks, load_docs, markdown_table
 
 COUNTS = {"arc_easy": 2376, "arc_challenge": 1172, "piqa": 1838, "hellaswag": 10042, "openbookqa": 500,
           "winogrande": 1267, "mmlu": 14042}
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +27,10 @@ def docs(data_dir):
 
 
 @pytest.fixture(scope="module")
-def tiny_models(smollm2):
-    """A tiny random Llama source and a tiny random MLA model (hidden 32), with SmolLM2's tokenizer."""
+def tiny_models(tokenizer):
+    """A tiny random Llama source and a tiny random MLA model (hidden 32), with the tiny tokenizer."""
     from mha2mla import MLAConfig, MLAForCausalLM
 
-    tokenizer = smollm2[1]
     source = tiny_source(vocab=len(tokenizer), n_heads=4, n_kv=2, head_dim=8)
     config = MLAConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, d_kv=4, rope_pairs=1, max_position_embeddings=512)
@@ -81,12 +75,6 @@ def test_gold_answers_of_known_items(docs):
     assert mmlu[1]["subject"] == "anatomy"  # subjects interleaved, so a limit samples all 57
     assert len({d["subject"] for d in mmlu[:57]}) == 57
     assert "0,1" in next(d for d in mmlu if d["question"].startswith("Find all zeros in the indicated"))["choices"]
-
-
-def test_hellaswag_capitalisation():
-    assert capitalize_last_fragment("Label: A man sits. the man") == "Label: A man sits. The man"
-    assert capitalize_last_fragment("Label: she") == "Label: She"
-    assert capitalize_last_fragment("Health: How to rest. Sleep well.") == "Health: How to rest. Sleep well."
 
 
 def test_prompts_are_lm_eval_formulations(docs):
@@ -146,7 +134,6 @@ def test_dtype_cast_leaves_the_callers_model_alone(tiny_models, data_dir):
     assert source[0].dtype == torch.float32
 
 
-@pytest.mark.integration
 def test_smollm2_beats_chance_on_arc_easy_and_piqa(smollm2, data_dir):
     start = time.perf_counter()
     out = evaluate_tasks(smollm2, ["arc_easy", "piqa"], limit=200, data_dir=data_dir)
@@ -158,7 +145,6 @@ def test_smollm2_beats_chance_on_arc_easy_and_piqa(smollm2, data_dir):
     assert piqa["acc"] > 0.58 and piqa["acc_norm"] > 0.58  # chance 0.5
 
 
-@pytest.mark.integration
 def test_smollm2_finds_the_passkey_at_1k(smollm2):
     from mha2mla.evaluate.passkey import passkey_accuracy, passkey_prompt
 
@@ -168,38 +154,3 @@ def test_smollm2_finds_the_passkey_at_1k(smollm2):
     out = passkey_accuracy(smollm2, [1024], seeds=5)
     print(f"\npasskey at 1K: {out}")
     assert out["results"]["1024"] == {"accuracy": 1.0, "n": 5}
-
-
-def _cli(*args, env=None):
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "mha2mla.cli", *args], capture_output=True, text=True,
-                          env=run_env, cwd=ROOT, timeout=300)
-
-
-def _assert_user_error(proc, fragment: str):
-    assert proc.returncode == 2, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and fragment in errors[0], proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
-
-
-def test_cli_unknown_task():
-    proc = _cli("eval", "tasks", "smollm2-135m", "--tasks", "arc_easy,squad", "--json")
-    _assert_user_error(proc, "unknown task squad: known tasks are arc_easy, arc_challenge, piqa")
-
-
-def test_cli_limit_below_one():
-    _assert_user_error(_cli("eval", "tasks", "smollm2-135m", "--limit", "0"), "--limit")
-
-
-def test_cli_missing_data_dir(tmp_path):
-    proc = _cli("eval", "tasks", "smollm2-135m", "--tasks", "piqa",
-                env={"MHA2MLA_DATA_DIR": str(tmp_path / "absent"), "HF_HUB_OFFLINE": "1"})
-    _assert_user_error(proc, "$MHA2MLA_DATA_DIR/benchmarks")
-    _assert_user_error(_cli("eval", "tasks", "smollm2-135m", "--data-dir", str(tmp_path / "absent")),
-                       "data directory not found")
-
-
-def test_cli_compare_and_passkey_bad_input():
-    _assert_user_error(_cli("eval", "compare", "smollm2-135m", "--tasks", "nope"), "unknown task nope")
-    _assert_user_error(_cli("eval", "passkey", "smollm2-135m", "--seeds", "0"), "--seeds")

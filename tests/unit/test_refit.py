@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_source
+from tiny import tiny_source
 
-from mha2mla.convert import convert_model
-from mha2mla.data import pack_blocks
+from mha2mla import convert as convert_model
+from mha2mla.io.text import pack_blocks
 from mha2mla.errors import UserError
-from mha2mla.refit import mla_head_outputs, ridge_fit, source_attention
+from mha2mla.conversion.stages.refit import mla_head_outputs, ridge_fit, source_attention
 
 
 def test_ridge_fit_recovers_an_exact_map_and_falls_back_to_the_prior():
@@ -27,11 +27,10 @@ def test_ridge_fit_recovers_an_exact_map_and_falls_back_to_the_prior():
 
 
 @pytest.fixture(scope="module")
-def first_layer_error(smollm2, wiki_dir):
+def first_layer_error(tokenizer, calib_text):
     """Squared error of layer 0's attention output against the source's, on its calibration inputs."""
-    tokenizer = smollm2[1]
-    src = tiny_source("llama", n_heads=4, n_kv=2, head_dim=16, layers=2, vocab=49152)
-    blocks = pack_blocks(tokenizer, [wiki_dir], 32, 8)
+    src = tiny_source("llama", n_heads=4, n_kv=2, head_dim=16, layers=2)
+    blocks = pack_blocks(tokenizer, [calib_text], 32, 8)
     s_attn, layer = src.model.layers[0].self_attn, src.model.layers[0]
     with torch.no_grad():
         x = layer.input_layernorm(src.model.embed_tokens(blocks))
@@ -42,8 +41,8 @@ def first_layer_error(smollm2, wiki_dir):
         target = target.double() @ s_attn.o_proj.weight.double().T
 
     def error(refit: str) -> float:
-        mla = convert_model((src, tokenizer), d_kv=3, rope_pairs=2, rope_strategy="2-norm", refit=refit,
-                            calib_data=[wiki_dir], calib_samples=8, calib_seq_len=32, progress=False)[0]
+        mla = convert_model((src, tokenizer), d_kv=3, rope_pairs=2, rope="2-norm", refit=refit,
+                            calib_data=[calib_text], calib_samples=8, calib_seq_len=32, progress=False)[0]
         m_attn = mla.model.layers[0].self_attn
         with torch.no_grad():
             got = mla_head_outputs(m_attn, x, positions, causal).double() @ m_attn.o_proj.weight.double().T
@@ -57,7 +56,7 @@ def test_refit_lowers_the_attention_output_error(first_layer_error):
     assert first_layer_error["vo"] < first_layer_error["v"] < first_layer_error["none"]
 
 
-def test_unknown_refit_is_a_user_error(smollm2, wiki_dir):
-    with pytest.raises(UserError, match="unknown --refit bogus: use one of none, v, vo"):
-        convert_model((tiny_source("llama", vocab=49152), smollm2[1]), d_kv=3, rope_pairs=2, refit="bogus",
-                      calib_data=[wiki_dir], calib_samples=2, calib_seq_len=32, progress=False)
+def test_unknown_refit_is_a_user_error(tokenizer, calib_text):
+    with pytest.raises(UserError, match="unknown refit .bogus.: use one of none, v, vo"):
+        convert_model((tiny_source("llama"), tokenizer), d_kv=3, rope_pairs=2, refit="bogus",
+                      calib_data=[calib_text], calib_samples=2, calib_seq_len=32, progress=False)

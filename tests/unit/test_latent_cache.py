@@ -1,8 +1,8 @@
 """LatentCache inside MLA decoding and `generate`: exactness, what it stores, and its quantized forms.
 
-Unit tests run tiny random fp32 MLA models (initializer_range 0.1, so attention is far from
-uniform and a wrong key or position changes the logits); the integration tests use SmolLM2-135M
-converted at d_kv=16.
+Tiny random fp32 MLA models (initializer_range 0.1, so attention is far from uniform and a wrong
+key or position changes the logits); SmolLM2-135M converted at d_kv=16:
+tests/integration/test_smollm2_latent_cache.py.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 from mha2mla import LatentCache, MLAConfig, MLAForCausalLM
 from mha2mla.modeling import modeling_mla
 from mha2mla.modeling.latent_cache import (
-    LatentLayer, QuantizedLatentLayer, dequantize, kv_bytes_per_token_per_layer, quantize,
+    LatentLayer, QuantizedLatentLayer, dequantize, quantize,
 )
 from mha2mla.modeling.modeling_mla import CACHE_NAME
+from tiny import tiny_mla, tokens
 
 VARIANTS = {
     "mha": dict(num_key_value_heads=4),               # MHA-derived: one KV head per query head
@@ -26,26 +27,6 @@ VARIANTS = {
 }
 STEPS = 32
 TOL = 1e-4
-
-
-def tiny_mla(seed: int = 0, **overrides) -> MLAForCausalLM:
-    """A tiny random fp32 MLA model; biases, when present, random too."""
-    torch.manual_seed(seed)
-    fields = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, d_kv=8, rope_pairs=2, initializer_range=0.1,
-                  pad_token_id=0, max_position_embeddings=256)
-    fields.update(overrides)
-    model = MLAForCausalLM(MLAConfig(**fields)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(1, 100, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def forward(model, ids, cache=None, attention_mask=None) -> torch.Tensor:
@@ -342,7 +323,7 @@ def test_quantized_cache_bytes_match_formula(bits):
     # codes + fp16 scale and zero per group: c_kv in groups of 4 (16 values → 4 groups), k_rope one
     # group of 2r = 4 per RoPE head
     per_token = latent * bits / 8 + (latent // 4) * 2 * 2 + n_rope * (r2 * bits / 8 + 1 * 2 * 2)
-    assert kv_bytes_per_token_per_layer(cfg, bits) == per_token
+    assert cfg.kv_bytes_per_token_per_layer(bits) == per_token
     window = residual * (latent + n_rope * r2) * 4           # fp32 residual window
     expected = cfg.num_hidden_layers * B * ((T - residual) * per_token + window)
     assert cache.nbytes() == expected
@@ -367,37 +348,3 @@ def test_quantized_decoding_stays_close():
     assert errors[4][0] <= 0.3 and errors[4][1] >= 0.9
     assert errors[2][0] <= 1.5 and errors[2][1] >= 0.7
     assert errors[2][0] > errors[4][0]
-
-
-# --- integration: SmolLM2-135M converted at d_kv=16 --------------------------------------------------
-
-PROMPT = "The history of the Roman Empire begins"
-
-
-@pytest.mark.integration
-@torch.no_grad()
-def test_smollm2_mla_greedy_same_with_and_without_cache(smollm2_mla):
-    model, tokenizer = smollm2_mla
-    ids = tokenizer(PROMPT, return_tensors="pt")
-    kwargs = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    cached = model.generate(**ids, return_dict_in_generate=True, **kwargs)
-    assert isinstance(getattr(cached, CACHE_NAME), LatentCache)
-    uncached = model.generate(**ids, use_cache=False, **kwargs)
-    assert torch.equal(cached.sequences, uncached)
-
-
-@pytest.mark.integration
-@torch.no_grad()
-def test_smollm2_mla_int4_cache_keeps_next_token_choice(smollm2_mla, wikitext_test):
-    """Teacher-forced over 160 tokens of WikiText (first 96 in the prompt; residual window 16): the
-    greedy choice of the int4 cache agreed with the unquantized one at 89-91 % of the 64 positions
-    (int2: 39 %)."""
-    model, tokenizer = smollm2_mla
-    text = wikitext_test.read_text(encoding="utf-8")[:4000]
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :160]
-    reference = model(ids).logits[:, 96:]
-    cache = LatentCache(model.config, kv_bits=4, residual=16)
-    forward(model, ids[:, :96], cache)
-    logits = torch.stack([forward(model, ids[:, t:t + 1], cache) for t in range(96, 160)], dim=1)
-    agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
-    assert agreement >= 0.85

@@ -1,25 +1,15 @@
-"""`mha2mla plot`: two panels (MHA2MLA, GQA2MLA), four labelled lines each, PNG and SVG."""
+"""`mha2mla plot`: two panels (MHA2MLA, GQA2MLA), four labelled lines each, PNG and SVG (the CLI:
+tests/cli/test_plot_cli.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 from matplotlib.colors import to_hex
 
-from mha2mla.cli import main
-from mha2mla.errors import UserError
-from mha2mla.plot import ema, loss_figure
+from mha2mla.apps.plot import ema, loss_figure
+from tiny import fake_run
 
 VARIANTS = ("base", "d_kv=8", "d_kv=16", "d_kv=32")
-
-
-def fake_run(folder, panel, variant, steps=10, start=3.0):
-    folder.mkdir(parents=True)
-    (folder / "run.json").write_text(json.dumps({"panel": panel, "variant": variant, "finished": True}))
-    (folder / "loss.jsonl").write_text("".join(json.dumps({"step": s, "loss": start - 0.1 * s}) + "\n"
-                                               for s in range(1, steps + 1)))
-    return folder
 
 
 @pytest.fixture
@@ -49,18 +39,3 @@ def test_smoothing_is_a_bias_corrected_ema(runs):
     assert ema([1.0, 5.0], 0.0) == [1.0, 5.0]
     smoothed = loss_figure(runs[:1], smooth=0.9).get_axes()[0].get_lines()[0].get_ydata()
     assert smoothed[0] == pytest.approx(3.0 - 0.1)
-
-
-def test_cli_writes_png_and_svg(runs, tmp_path, capsys):
-    assert main(["plot", *map(str, runs), "--out", str(tmp_path / "curves.svg"), "--smooth", "0.5", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out == {"png": str(tmp_path / "curves.png"), "svg": str(tmp_path / "curves.svg")}
-    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_bad_input(tmp_path, runs, capsys):
-    (tmp_path / "not-a-run").mkdir()
-    assert main(["plot", str(tmp_path / "not-a-run"), "--out", str(tmp_path / "x.png")]) == 2
-    assert capsys.readouterr().err.startswith("error: ")
-    with pytest.raises(UserError, match="smooth"):
-        loss_figure(runs, smooth=1.0)

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import time
 
-from mha2mla.convert import convert_model
+from mha2mla import convert as convert_model
 from mha2mla.evaluate.perplexity import perplexity
 
 
 def test_activation_init_beats_weight_init(smollm2, smollm2_mla, wiki_dir, wikitext_test):
     model, tok = smollm2
     start = time.perf_counter()
-    weight, _ = convert_model(smollm2, d_kv=16, rope_pairs=4, rope_strategy="2-norm", init="weight", refit="none",
+    weight, _ = convert_model(smollm2, d_kv=16, rope_pairs=4, rope="2-norm", weighting="weight", refit="none",
                               calib_data=[wiki_dir], progress=False)
     weight_seconds = time.perf_counter() - start
     activation, _ = smollm2_mla  # refit none
-    refit, _ = convert_model(smollm2, d_kv=16, rope_pairs=4, rope_strategy="2-norm", init="activation", refit="v",
+    refit, _ = convert_model(smollm2, d_kv=16, rope_pairs=4, rope="2-norm", weighting="activation", refit="v",
                              calib_data=[wiki_dir], calib_samples=8, progress=False)
     ppl = {name: perplexity(m, tok, wikitext_test, seq_len=256, windows=4, progress=False)["ppl"]
            for name, m in [("source", model), ("weight", weight), ("activation", activation),

@@ -1,14 +1,14 @@
-"""`mha2mla export --format gguf`: a llama.cpp `deepseek2` GGUF file.
+"""`mha2mla export --format gguf` (the Python API): a llama.cpp `deepseek2` GGUF file.
 
 CI reads the file back with gguf's reader: every tensor is the DeepSeek-V3 export's tensor in
 llama.cpp's name and layout (exact for F32, the type's own rounding for F16/BF16/Q8_0), kv_b_proj
 split into attn_k_b / attn_v_b so that the absorbed scores and values equal DeepSeek's, the metadata
 llama.cpp's loader reads, and the tokenizer fields equal to the source GGUF's. transformers (5.25)
 cannot load a deepseek2 GGUF (its GGUF loader has no such architecture), so no logits comparison runs
-there. What llama.cpp cannot compute is refused in one line (exit 2).
+there. The source GGUF whose tokenizer is carried over is a tiny one written in the test.
 
-Opt-in (`make test-llama-cpp`, marker llama_cpp): SmolLM2-135M converted at 72 values runs in
-llama.cpp through llama-cpp-python, with the MLA model's greedy continuation and logits.
+The CLI and its refusals: tests/cli/test_export_cli.py. Opt-in (`make test-llama-cpp`, marker llama_cpp):
+SmolLM2-135M in llama.cpp, tests/integration/test_llama_cpp.py.
 """
 
 from __future__ import annotations
@@ -22,52 +22,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mha2mla.cli import main
-from mha2mla.errors import UserError
-from mha2mla.exports.deepseek_v3 import export_checkpoint
-from mha2mla.exports.gguf import TENSOR_TYPES, export_gguf, source_gguf, write_gguf
-from mha2mla.modeling import MLAConfig
-from test_export import convert_tiny
+from mha2mla.exports.gguf import TENSOR_TYPES, write_gguf
 
 T = gguf.GGMLQuantizationType
-# llama.cpp's largest logit difference to the float32 MLA model, relative to the largest logit: F16 weights and
-# KV cache (measured on SmolLM2 at 72 values: 1.4e-3)
-LLAMA_CPP_GAP = 5e-3
 # largest error of one stored value relative to the largest |value| of its row (F16/BF16) or 32-block (Q8_0)
 ROUNDING = {T.F32: 0.0, T.F16: 2**-11, T.BF16: 2**-8, T.Q8_0: 1 / 127}
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2):
-    return smollm2[1]
-
-
-@pytest.fixture(scope="module")
-def source():
-    """The bundled SmolLM2 GGUF (its tokenizer is the tiny models' too)."""
-    return source_gguf("smollm2-135m")[1]
-
-
-@pytest.fixture(scope="module")
-def mla_dir(tokenizer, wiki_dir, tmp_path_factory):
-    """A tiny GQA Llama converted by the default recipe (shared RoPE key), saved."""
-    out = tmp_path_factory.mktemp("gguf") / "mla"
-    convert_tiny(tokenizer, wiki_dir, out=out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def ds_dir(mla_dir, wiki_dir, tmp_path_factory):
-    """Its DeepSeek-V3 export, the checkpoint the GGUF file is mapped from."""
-    out = tmp_path_factory.mktemp("gguf") / "ds"
-    export_checkpoint(mla_dir, out, calib_data=[wiki_dir], calib_seq_len=64)
-    return out
+def source(tiny_gguf):
+    """gguf's reader of the tiny source GGUF (a Llama with the tiny tokenizer, the tiny models' vocabulary)."""
+    return gguf.GGUFReader(tiny_gguf)
 
 
 @pytest.fixture(scope="module")
 def written(ds_dir, source, tmp_path_factory) -> dict[str, tuple]:
-    """The DeepSeek-V3 export written as GGUF in every tensor type: type → (write_gguf's report, gguf's
-    reader of the file; it parses the 150 K tokenizer strings in seconds, so once per file)."""
+    """The DeepSeek-V3 export (of conftest's mla_dir) written as GGUF in every tensor type: type →
+    (write_gguf's report, gguf's reader of the file, read once per file)."""
     out = tmp_path_factory.mktemp("gguf")
     return {kind: (write_gguf(ds_dir, out / f"{kind}.gguf", source, kind), gguf.GGUFReader(out / f"{kind}.gguf"))
             for kind in TENSOR_TYPES}
@@ -172,116 +143,3 @@ def test_metadata_is_what_llama_cpp_reads_and_the_tokenizer_is_the_sources(ds_di
     assert value["general.name"] == source.fields["general.name"].contents() + " (MLA)"
 
 
-def test_cli_export_refuses_an_existing_file_then_replaces_it_and_reports(mla_dir, wiki_dir, tmp_path, capsys):
-    from mha2mla.cli import _print_export
-
-    out = tmp_path / "out" / "smol.gguf"
-    out.parent.mkdir()
-    out.write_bytes(b"")
-    args = ["export", str(mla_dir), str(out), "--format", "gguf", "--type", "q8_0", "--source", "smollm2-135m",
-            "--calib-data", str(wiki_dir), "--json"]
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--overwrite" in err and out.stat().st_size == 0
-    assert main(args + ["--overwrite"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["format"] == "gguf" and report["tensor_type"] == "q8_0"
-    assert report["file_bytes"] == out.stat().st_size and [p.name for p in out.parent.iterdir()] == ["smol.gguf"]
-    assert report["kv_values_per_token_per_layer"] == report["mla_kv_values_per_token_per_layer"]
-    assert report["logits_gap"]["top1_agreement"] == 1.0
-    _print_export(report)
-    printed = capsys.readouterr().out
-    assert "KV cache per token per layer" in printed and "Q8_0" in printed and "logits gap" in printed
-
-
-def refusal(tmp_path, capsys, config_dir, *extra) -> str:
-    """The one-line error of exporting `config_dir` to GGUF through the CLI (exit 2, nothing written)."""
-    capsys.readouterr()
-    assert main(["export", str(config_dir), str(tmp_path / "m.gguf"), "--format", "gguf",
-                 "--source", "smollm2-135m", *extra]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error:")
-    assert [p.name for p in tmp_path.iterdir()] == [config_dir.name]
-    return err
-
-
-def mla_config_dir(tmp_path, **fields):
-    """A directory holding only an MLA config: every refusal is read from the config."""
-    config = MLAConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, d_kv=8, rope_pairs=2, rope_layout="shared",
-                       **fields)
-    config.save_pretrained(tmp_path / "mla")
-    return tmp_path / "mla"
-
-
-def test_attention_biases_are_refused(tmp_path, capsys):
-    err = refusal(tmp_path, capsys, mla_config_dir(tmp_path, attention_bias=True))
-    assert "attention biases" in err and "--format deepseek-v3" in err
-
-
-def test_scaled_rope_is_refused(tmp_path, capsys):
-    default = MLAConfig(hidden_size=64, num_attention_heads=4).rope_inv_freq
-    err = refusal(tmp_path, capsys, mla_config_dir(tmp_path, rope_inv_freq=[f / 8 for f in default]))
-    assert "RoPE is scaled" in err
-
-
-def test_per_head_rope_is_refused_by_the_deepseek_export(tmp_path, capsys):
-    config_dir = mla_config_dir(tmp_path)
-    config = json.loads((config_dir / "config.json").read_text())
-    config.update(rope_layout="per_head", kept_pairs=[[[0, 1], [0, 1]]] * 2)
-    (config_dir / "config.json").write_text(json.dumps(config))
-    assert "--rope-strategy pca" in refusal(tmp_path, capsys, config_dir)
-
-
-def test_a_source_that_is_not_gguf_is_refused(tmp_path, capsys):
-    config_dir = mla_config_dir(tmp_path)
-    err = refusal(tmp_path, capsys, config_dir, "--source", str(config_dir))
-    assert "--source" in err and "GGUF file" in err
-
-
-def test_unknown_tensor_type_and_deepseek_options_are_refused(tmp_path, capsys):
-    import mha2mla
-
-    with pytest.raises(UserError, match="q8_0"):                 # mha2mla.export(format="gguf") is export_gguf
-        mha2mla.export(mla_config_dir(tmp_path), tmp_path / "m.gguf", format="gguf", tensor_type="q4_0")
-    assert "--pad-for" in refusal(tmp_path, capsys, tmp_path / "mla", "--pad-for", "vllm")
-
-
-# --- opt-in: llama.cpp itself (make test-llama-cpp) ----------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def llama_cpp(request):
-    if "llama_cpp" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("opt-in: make test-llama-cpp (pytest -m llama_cpp)")
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make test-llama-cpp)")
-
-
-@pytest.fixture(scope="module")
-def smollm2_b72_gguf(llama_cpp, tmp_path_factory):
-    """SmolLM2-135M converted by the default recipe at 72 values, and its f16 GGUF export."""
-    from mha2mla.convert import convert_model
-
-    out = tmp_path_factory.mktemp("llama-cpp")
-    model, tokenizer = convert_model("smollm2-135m", out / "mla", kv_budget=72)
-    export_gguf(out / "mla", out / "mla.gguf")
-    return model.eval(), tokenizer, out / "mla.gguf"
-
-
-@pytest.mark.llama_cpp
-@torch.no_grad()
-def test_llama_cpp_runs_the_export_as_the_mla_model(llama_cpp, smollm2_b72_gguf):
-    """Token ids in (not text): llama.cpp's logits on a short sequence are the MLA model's within the F16
-    weights' and F16 KV cache's rounding, and its greedy continuation is the MLA model's."""
-    model, tokenizer, path = smollm2_b72_gguf
-    ids = tokenizer("The capital of France is Paris. The capital of Germany is", add_special_tokens=False)["input_ids"]
-    llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=2, logits_all=True, verbose=False)
-    llm.eval(ids)
-    logits = torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float64))
-    want = model(torch.tensor([ids])).logits[0].double()
-    assert (logits - want).abs().max() < LLAMA_CPP_GAP * want.abs().max()
-    assert (logits.argmax(-1) == want.argmax(-1)).all()
-    greedy = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
-    for token in greedy:
-        assert int(np.argmax(llm.scores[llm.n_tokens - 1])) == token
-        llm.eval([token])
-    llm.close()
