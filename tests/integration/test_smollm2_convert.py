@@ -9,7 +9,7 @@ from mha2mla import convert as convert_model
 from mha2mla.evaluate.perplexity import perplexity
 
 
-def test_activation_init_beats_weight_init(smollm2, smollm2_mla, wiki_dir, wikitext_test):
+def test_activation_weighting_beats_weight_only(smollm2, smollm2_mla, wiki_dir, wikitext_test):
     model, tok = smollm2
     start = time.perf_counter()
     weight, _ = convert_model(smollm2, d_kv=16, rope_pairs=4, rope="2-norm", weighting="weight", refit="none",
