@@ -37,7 +37,7 @@ def test_default_recipe_keeps_its_perplexity(smollm2, wiki_dir, wikitext_test):
     model, tok = smollm2
     mla, _ = convert_model(smollm2, d_kv=16, calib_data=[wiki_dir], calib_samples=8, progress=False)
     assert (mla.config.rope_layout, 2 * mla.config.rope_pairs, mla.config.latent_dim) == ("shared", 16, 56)
-    assert mla.config.conversion["refit"] == "vo" and mla.config.conversion["init"] == "query"
+    assert mla.config.conversion["refit"] == "vo" and mla.config.conversion["weighting"] == "query"
     ppl = perplexity(mla, tok, wikitext_test, seq_len=256, windows=4, progress=False)["ppl"]
     print(f"\nSmolLM2-135M default recipe at 72 values, WikiText-2 4×256: ppl {ppl:.1f}")
     assert ppl <= 243
