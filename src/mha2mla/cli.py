@@ -166,7 +166,8 @@ def cmd_eval_niah(args) -> None:
         from .apps.plot import niah_figure, save_figure
 
         result["png"], result["svg"] = map(str, save_figure(niah_figure(result), args.plot))
-    _emit(result, args.json, lambda r: print(niah_table(r) + (f"\nwrote {r['png']} and {r['svg']}" if args.plot else "")))
+    wrote = f"\nwrote {result['png']} and {result['svg']}" if args.plot else ""
+    _emit(result, args.json, lambda r: print(niah_table(r) + wrote))
 
 
 def cmd_eval_passkey(args) -> None:
@@ -369,10 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval_passkey)
 
-    def long_context_options(p, samples: int) -> None:
+    def long_context_options(p, samples: int, per: str) -> None:
         p.add_argument("model")
         p.add_argument("--context", default="1024,2048,4096", help="comma-separated lengths in tokens")
-        p.add_argument("--samples", type=int, default=samples, help=f"prompts per cell (default {samples})")
+        p.add_argument("--samples", type=int, default=samples, help=f"prompts per {per} and length (default {samples})")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--kv-bits", type=int, default=None, help="latent cache storage of an MLA model: 16, 4 or 2")
         p.add_argument("--haystack", default=None, help="folder of prose (default: the Wikipedia shards)")
@@ -381,13 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = ev.add_parser("ruler", help="RULER's synthetic long-context tasks (retrieval, tracking, aggregation) "
                                     "per context length, generated offline")
-    long_context_options(p, 20)
+    long_context_options(p, 20, "task")
     p.add_argument("--tasks", default=None, help="comma-separated (default: all: niah_single_1..3, niah_multikey_1..3, "
                    "niah_multivalue, niah_multiquery, vt, cwe, fwe)")
     p.set_defaults(func=cmd_eval_ruler)
 
     p = ev.add_parser("niah", help="needle-in-a-haystack grid: retrieval per needle depth × context length")
-    long_context_options(p, 5)
+    long_context_options(p, 5, "depth")
     p.add_argument("--depths", default="0,25,50,75,100", help="needle depths in %% of the haystack")
     p.add_argument("--plot", default=None, metavar="FIG", help="write the heat map as FIG .png and .svg")
     p.set_defaults(func=cmd_eval_niah)

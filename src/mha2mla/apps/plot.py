@@ -6,6 +6,8 @@ line per step). Runs of an MHA source go to the "MHA2MLA" panel, runs of a GQA s
 d_kv=32, black the un-converted base model; a variant of another recipe ("paper d_kv=16") is dashed
 in its d_kv's colour. Optional smoothing is an exponential moving average,
 y_t = α·y_{t−1} + (1 − α)·x_t, bias-corrected by 1 − α^t so the curve starts at the first loss.
+
+`niah_figure` draws the needle-in-a-haystack heat map of `mha2mla eval niah` in the same palette.
 """
 
 from __future__ import annotations

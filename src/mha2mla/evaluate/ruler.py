@@ -51,8 +51,8 @@ Deterministic: sample i of task T under seed S draws from random.Random(f"{S}/{T
 draws at every context length, so lengths are comparable); the niah grid uses one key per sample
 across all depths and lengths. Prompts are built and checked before anything is generated.
 Generation is greedy through `generate()`, so an MLA model decodes with its LatentCache (int4/int2
-with `kv_bits`); samples of one task and length run as one left-padded batch of up to
-BATCH_TOKENS // context rows.
+with `kv_bits`); samples of one length and generation budget (e.g. every needle task's) run in
+left-padded batches of up to BATCH_TOKENS // context prompts.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def haystack_dir(path=None) -> Path:
             raise UserError("no haystack text found: pass --haystack DIR (a folder of text files), or set "
                             "MHA2MLA_DATA_DIR to a folder holding text/wikipedia-en-2015-wikiextractor") from None
     if not Path(path).exists():
-        raise UserError(f"haystack directory not found: {path} (give a folder of text files, e.g. the Wikipedia shards)")
+        raise UserError(f"haystack directory not found: {path} (give a folder of text files, e.g. the "
+                        f"Wikipedia shards)")
     return Path(path)
 
 
@@ -240,7 +241,8 @@ def _fresh(rng: random.Random, kind: str, words: Sequence[str], clashes: Callabl
         candidate = _draw(rng, kind, words)
         if not clashes(candidate):
             return candidate
-    raise UserError(f"could not draw a {kind[:-1]} absent from the haystack in {MAX_DRAWS} tries: give more varied text")
+    raise UserError(f"could not draw a {kind[:-1]} absent from the haystack in {MAX_DRAWS} tries: "
+                    f"give more varied text")
 
 
 def _overlaps(candidate: str, taken: Sequence[str]) -> bool:
@@ -274,7 +276,8 @@ class Niah:
     def build(self, key: str, size: int, env: Env) -> Sample:
         rng, words = random.Random(key), env.pool.words
         start = rng.randrange(len(env.pool.sentences))
-        filler = {"noise": [NOISE] * size, "prose": env.pool.window(start, size), "needle": []}[self.haystack]
+        filler = ([NOISE] * size if self.haystack == "noise" else
+                  env.pool.window(start, size) if self.haystack == "prose" else [])   # needle: drawn below
         joiner = " " if self.haystack == "prose" else "\n"
         reals = self._real_needles(rng, words, joiner.join(filler))
         if self.haystack == "needle":     # distractors: other keys' values, none overlapping a real key or value
@@ -524,25 +527,33 @@ def generate_answers(model, tokenizer, samples: Sequence[Sample], spec, kv_bits:
     return tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
 
 
+def batches(samples: Sequence[Sample], specs: dict, batch_tokens: int) -> list[list[Sample]]:
+    """Samples that generate alike (one context length, generation budget and metric) in batches of up to
+    batch_tokens // context prompts, in order of first appearance."""
+    groups: dict[tuple, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.context, specs[s.task].max_new_tokens, specs[s.task].metric), []).append(s)
+    return [group[b:b + max(1, batch_tokens // context)] for (context, _, _), group in groups.items()
+            for b in range(0, len(group), max(1, batch_tokens // context))]
+
+
 def run_jobs(model, tokenizer, jobs: Sequence[Job], samples: int, pool: Haystack, kv_bits: int | None,
              batch_tokens: int = BATCH_TOKENS) -> dict[tuple[str, int], float]:
     """{(job name, context): mean score}. Every prompt is built (and checked) before the first is generated."""
     def encode(text: str) -> list[int]:   # as generate_answers tokenizes
         return tokenizer(text)["input_ids"]
 
-    prepared = [(job, make_samples(job, samples, Env(pool, job.context, encode))) for job in jobs]
-    scores = {}
-    with tqdm(total=len(jobs) * samples, desc="long-context samples", unit="sample", file=sys.stderr) as bar:
-        for job, batch_all in prepared:
-            size, got = max(1, batch_tokens // job.context), []
-            for b in range(0, len(batch_all), size):
-                batch = batch_all[b:b + size]
-                answers = generate_answers(model, tokenizer, batch, job.spec, kv_bits)
-                got += [score_of(a, s.outputs, job.spec.metric) for a, s in zip(answers, batch)]
-                bar.update(len(batch))
-            scores[(job.name, job.context)] = sum(got) / len(got)
-            bar.set_postfix_str(f"{job.name} @ {job.context}: {100 * scores[(job.name, job.context)]:.0f} %")
-    return scores
+    specs = {job.name: job.spec for job in jobs}
+    prepared = [s for job in jobs for s in make_samples(job, samples, Env(pool, job.context, encode))]
+    got: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    with tqdm(total=len(prepared), desc="long-context samples", unit="sample", file=sys.stderr) as bar:
+        for batch in batches(prepared, specs, batch_tokens):
+            answers = generate_answers(model, tokenizer, batch, specs[batch[0].task], kv_bits)
+            for answer, s in zip(answers, batch):
+                got[(s.task, s.context)].append(score_of(answer, s.outputs, specs[s.task].metric))
+            bar.update(len(batch))
+            bar.set_postfix_str(f"{batch[-1].task} @ {batch[-1].context}")
+    return {key: sum(values) / len(values) for key, values in got.items()}
 
 
 # ---------------------------------------------------------------- checks and entry points
