@@ -8,6 +8,7 @@ leave nothing in OUT.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -218,3 +219,22 @@ def test_save_load_in_fresh_process_without_package(name, tokenizer, calib_text,
     for f in ("configuration_mla.py", "modeling_mla.py", "latent_cache.py", "README.md", "tokenizer.json",
               "model.safetensors", "generation_config.json"):
         assert (tmp_path / "mla" / f).exists(), f
+
+
+def test_using_the_package_registers_the_auto_classes(mla_dir, tmp_path):
+    """A fresh process: `import mha2mla` alone loads nothing (the CLI's --help needs no torch); touching a
+    public name registers the MLA config and model, and the stock Auto class then loads the checkpoint
+    without trust_remote_code."""
+    script = textwrap.dedent(f"""
+        import sys
+        import mha2mla
+        assert "torch" not in sys.modules
+        mha2mla.load_model
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(mla_dir)!r})
+        print(type(model).__module__, type(model).__name__)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                         stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["mha2mla.modeling.modeling_mla", "MLAForCausalLM"]
