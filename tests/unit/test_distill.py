@@ -90,3 +90,18 @@ def test_resuming_with_other_distillation_settings_is_refused(tiny_model, text_d
                                                                                                  '"finished": false'))
     with pytest.raises(UserError, match="distill"):
         small_run(str(tiny_model), tmp_path / "run", text_dir, 2, resume=True)
+
+
+def test_a_loaded_teacher_is_used_as_it_is(tiny_model, text_dir, tmp_path, one_thread):
+    """The demo's way: the teacher passed as a loaded model (its name recorded in run.json), left untouched."""
+    from mha2mla import load_model
+
+    teacher, _ = load_model(tiny_model)
+    before = {n: p.clone() for n, p in teacher.state_dict().items()}
+    small_run(str(tiny_model), tmp_path / "run", text_dir, 3, distill=Distillation(teacher=teacher))
+    assert read_log(tmp_path / "run")[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(torch.equal(before[n], p) for n, p in teacher.state_dict().items())
+    import json
+
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["settings"]["distill"]["teacher"] == teacher.config._name_or_path
