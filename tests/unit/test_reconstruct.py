@@ -46,3 +46,16 @@ def test_reconstruction_is_deterministic(tokenizer, calib_text):
     b = convert_tiny(tokenizer, calib_text, d_kv=2, reconstruct=5)
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(x, y), name
+
+
+def test_the_search_scores_closed_forms_and_reconstructs_the_kept_one(tokenizer, calib_text):
+    """With a budget search, the candidates are scored as without reconstruction (the same losses, the
+    same winner), and only the kept candidate is reconstructed."""
+    plain = convert_tiny(tokenizer, calib_text, kv_budget=24).config
+    mla = convert_tiny(tokenizer, calib_text, kv_budget=24, reconstruct=40)
+    record = mla.config.conversion
+    assert len(record["budget_candidates"]) > 1
+    assert record["budget_candidates"] == plain.conversion["budget_candidates"]
+    assert (mla.config.rope_pairs, mla.config.latent_dim) == (plain.rope_pairs, plain.latent_dim)
+    errors = record["reconstruction"]
+    assert all(after <= before for before, after in errors) and any(after < before for before, after in errors)

@@ -16,7 +16,9 @@ through the stages
 its norms and MLP are copied, it is written into safetensors shards and let go, and the hidden states
 move on — through the converted layer (`sequential`, so later layers compensate earlier error) or
 the source's. With nothing dropped and full rank the MLA model computes exactly what the source does.
-The search (search.py) keeps the candidate with the lowest held-out loss; its MLA config is built
+The search (search.py) keeps the candidate with the lowest held-out loss — scored without the
+reconstruction, which costs far more than the closed-form stages and then runs once, on the kept
+candidate, in a pass of its own (`search_then_reconstruct`); its MLA config is built
 once, from the plan and what the stages chose, and written with the checkpoint's other files into a
 temporary directory renamed to `out` at the end.
 """
@@ -114,10 +116,11 @@ def convert_checkpoint(source, out, *, recipe: str | Recipe = "default", d_kv: i
     with torch.device(device):  # every tensor the conversion makes, unless it says otherwise
         candidates = (allocated_candidates(src, plan, calib, dtype) if recipe.allocate == "global"
                       else plan.candidates)
-    convert_one = partial(convert_candidate, src, plan, calib, held_out, dtype=dtype, device=device, progress=progress)
+    convert_one = partial(convert_candidate, src, calib=calib, held_out=held_out, dtype=dtype, device=device,
+                          progress=progress)
 
     def write(tmp: Path) -> MLAConfig:
-        converted, tried = search(candidates, convert_one, tmp)
+        converted, tried = search_then_reconstruct(plan, candidates, convert_one, tmp)
         record = dict(dataclasses.asdict(recipe), kv_balance=converted.candidate.kv_balance, as_mha=as_mha,
                       reconstruction=[layer.reconstructed for layer in converted.layers] if recipe.reconstruct else None,
                       calib_samples=len(calib), calib_seq_len=calib_seq_len, dtype=str(dtype).removeprefix("torch."),
@@ -130,6 +133,19 @@ def convert_checkpoint(source, out, *, recipe: str | Recipe = "default", d_kv: i
         return config
 
     return save_atomically(out, write), src.tokenizer
+
+
+def search_then_reconstruct(plan: Plan, candidates, convert_one, directory: Path):
+    """search() over the candidates converted by `convert_one(plan, candidate, directory)`; with a
+    reconstruction and several candidates the search runs without it, and the kept candidate is
+    converted again, reconstructed, over the search's files."""
+    if not plan.recipe.reconstruct or len(candidates) == 1:
+        return search(candidates, partial(convert_one, plan), directory)
+    closed_form = dataclasses.replace(plan, recipe=dataclasses.replace(plan.recipe, reconstruct=0))
+    converted, tried = search(candidates, partial(convert_one, closed_form), directory)
+    for file in directory.iterdir():
+        file.unlink()
+    return convert_one(plan, converted.candidate, directory), tried
 
 
 def checkpoint_config(plan: Plan, converted: Converted) -> MLAConfig:
@@ -147,8 +163,9 @@ def checkpoint_config(plan: Plan, converted: Converted) -> MLAConfig:
 
 
 @torch.no_grad()
-def convert_candidate(src, plan: Plan, calib: torch.Tensor, held_out: torch.Tensor | None, candidate: Candidate,
-                      directory: Path, *, dtype: torch.dtype, device: torch.device, progress: bool) -> Converted:
+def convert_candidate(src, plan: Plan, candidate: Candidate, directory: Path, *, calib: torch.Tensor,
+                      held_out: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
+                      progress: bool) -> Converted:
     """One streaming conversion of `src` into `directory`'s weight shards. The held-out blocks, when
     given, advance through the converted layers: their next-token loss is the candidate's score."""
     calib, held_out = calib.to(device), held_out.to(device) if held_out is not None else None
