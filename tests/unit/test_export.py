@@ -17,7 +17,7 @@ from transformers import DeepseekV3ForCausalLM
 
 from tiny import TINY_VOCAB, convert_tiny, mla_run, stock_model, tiny_mla, tiny_source
 from mha2mla import convert as convert_model
-from mha2mla.exports.deepseek_v3 import export_checkpoint
+from mha2mla.exports.deepseek_v3 import engine_shape, export_checkpoint
 from mha2mla.errors import UserError
 from mha2mla.conversion.stages.latent_norm import add_latent_norm
 
@@ -37,6 +37,24 @@ def test_export_from_a_checkpoint_streams_the_same_tensors(exported_tiny, tiny_m
     want, got = load_file(out / "model.safetensors"), load_file(tmp_path / "ds" / "model.safetensors")
     assert want.keys() == got.keys() and all(torch.equal(want[name], got[name]) for name in want)
     assert streamed["logits_gap"] == report["logits_gap"]
+
+
+def test_a_tied_head_is_written_untied(tokenizer, calib_text, tmp_path):
+    """vLLM's DeepSeek model never ties its LM head to the embeddings, so the export always writes
+    lm_head.weight — for a tied source, its embeddings, unscaled — and computes the MLA model's logits."""
+    from safetensors.torch import load_file
+
+    src = tiny_source("llama", n_kv=2, tie_word_embeddings=True)
+    model, _ = convert_model((src, tokenizer), calib_data=[calib_text], calib_samples=4, calib_seq_len=32,
+                             progress=False)
+    assert model.config.tie_word_embeddings
+    export_checkpoint((model, tokenizer), tmp_path / "ds", calib_data=[calib_text], calib_seq_len=64)
+    assert json.loads((tmp_path / "ds" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert torch.equal(load_file(tmp_path / "ds" / "model.safetensors")["lm_head.weight"],
+                       model.model.embed_tokens.weight)
+    logits, greedy = mla_run(stock_model(tmp_path / "ds"))
+    want_logits, want_greedy = mla_run(model)
+    assert (logits - want_logits).abs().max() < NEAR_LINEAR * want_logits.abs().max() and greedy == want_greedy
 
 
 def test_a_bfloat16_checkpoint_exports_in_bfloat16(tiny_mla_model, tokenizer, calib_text, tmp_path):
@@ -114,6 +132,32 @@ def test_load_model_opens_the_export_for_eval_and_generate(exported_tiny):
 
     model, _ = load_model(exported_tiny[0])
     assert type(model) is DeepseekV3ForCausalLM
+
+
+@pytest.mark.parametrize("engine, latent, shape", [("vllm", 6, (512, 64)), ("vllm-gpu", 6, (256, 64)),
+                                                   ("vllm-gpu", 300, (448, 64)), ("llama.cpp-cuda", 100, (128, 64)),
+                                                   ("llama.cpp-cuda", 129, (256, 64))])
+def test_padding_takes_the_engines_narrowest_shape_that_holds_the_latent(engine, latent, shape):
+    assert engine_shape(engine, latent) == shape
+
+
+def test_padding_for_a_narrower_engine_or_an_unknown_one_is_refused(tokenizer, calib_text, tmp_path):
+    with pytest.raises(UserError, match="600 wide, more than vllm's largest kv_lora_rank 512"):
+        engine_shape("vllm", 600)
+    model = tiny_mla(vocab_size=TINY_VOCAB, rope_layout="shared")
+    with pytest.raises(UserError, match="unknown engine 'sglang'.*vllm, vllm-gpu, llama.cpp-cuda"):
+        export_checkpoint((model, tokenizer), tmp_path / "ds", calib_data=[calib_text], pad_for="sglang")
+    assert not (tmp_path / "ds").exists()
+
+
+@torch.no_grad()
+def test_padding_for_vllm_gpu_is_exact(tiny_mla_model, tokenizer, calib_text, tmp_path):
+    report = export_checkpoint((tiny_mla_model, tokenizer), tmp_path / "ds", calib_data=[calib_text],
+                               calib_seq_len=64, pad_for="vllm-gpu")
+    assert (report["kv_lora_rank"], report["qk_rope_head_dim"]) == (256, 64)
+    logits, greedy = mla_run(stock_model(tmp_path / "ds"))
+    want_logits, want_greedy = mla_run(tiny_mla_model)
+    assert (logits - want_logits).abs().max() < NEAR_LINEAR * want_logits.abs().max() and greedy == want_greedy
 
 
 def test_vllm_padding_refuses_what_vllm_cannot_run(tokenizer, calib_text, tmp_path):

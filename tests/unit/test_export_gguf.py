@@ -143,3 +143,18 @@ def test_metadata_is_what_llama_cpp_reads_and_the_tokenizer_is_the_sources(ds_di
     assert value["general.name"] == source.fields["general.name"].contents() + " (MLA)"
 
 
+
+
+def test_padding_for_llama_cpp_cuda_writes_one_of_its_flash_attention_shapes(mla_dir, tiny_gguf, calib_text, tmp_path):
+    """--pad-for llama.cpp-cuda: K/V head sizes 192/128 for a latent of at most 128 (the cached [ĉ | k_pe], ĉ);
+    an engine of another library is refused."""
+    from mha2mla.errors import UserError
+    from mha2mla.exports.gguf import export_gguf
+
+    report = export_gguf(mla_dir, tmp_path / "m.gguf", source=tiny_gguf, calib_data=[calib_text],
+                         pad_for="llama.cpp-cuda")
+    value = {k: f.contents() for k, f in gguf.GGUFReader(tmp_path / "m.gguf").fields.items()}
+    assert (report["kv_lora_rank"], report["qk_rope_head_dim"]) == (128, 64)
+    assert (value["deepseek2.attention.key_length"], value["deepseek2.attention.value_length"]) == (192, 128)
+    with pytest.raises(UserError, match="not a llama.cpp engine"):
+        export_gguf(mla_dir, tmp_path / "v.gguf", source=tiny_gguf, pad_for="vllm")

@@ -68,9 +68,17 @@ from ..modeling import MLAForCausalLM
 from ..modeling.configuration_mla import source_kv_values
 from ..recipes import LATENT_NORMS
 
-# Engine shapes (--pad-for): vLLM's MLA kernels take one head size, kv_lora_rank + qk_rope_head_dim = 576
-# (FlashMLA, CUTLASS MLA, FlashInfer MLA, CPU MLA: get_supported_head_sizes() == [576]).
-ENGINE_SHAPES = {"vllm": dict(kv_lora_rank=512, qk_rope_head_dim=64)}
+# Engine shapes (--pad-for), as the engines' code declares them: the (kv_lora_rank, qk_rope_head_dim) pairs their
+# MLA kernels take; the export zero-pads to the narrowest that holds the model's latent (docs/serving.md has the
+# table). vllm: every vLLM MLA backend, the CPU ones included (CPU_MLA, AMX_MLA, FlashMLA, FlashAttention MLA:
+# get_supported_head_sizes() == [576]). vllm-gpu: MLACommonBackend's [320, 512, 576] (CUTLASS, FlashInfer,
+# FlashMLA and Tokenspeed MLA inherit it; TRITON_MLA takes any). llama.cpp-cuda: its flash-attention kernels'
+# MLA cases, K/V head sizes 192/128, 320/256, 576/512 (the cached [ĉ | k_pe] and ĉ).
+ENGINE_SHAPES = {
+    "vllm": ((512, 64),),
+    "vllm-gpu": ((256, 64), (448, 64), (512, 64)),
+    "llama.cpp-cuda": ((128, 64), (256, 64), (512, 64)),
+}
 GAP_BLOCKS = 2  # held-out blocks the exported logits are compared on
 
 
@@ -114,16 +122,22 @@ def rope_stride(kept: list[int], head_dim: int, rope_dim: int | None) -> tuple[i
 
 
 def export_shape(config, pad_for: str | None) -> ExportShape:
-    engine = ENGINE_SHAPES[pad_for] if pad_for else {}
+    """The exported widths: the model's own, or the narrowest shape of the engine `pad_for` that holds them."""
     kept = [k for layer in kept_frequencies(config) for k in layer]
-    rope, stride, power = rope_stride(kept, config.head_dim, engine.get("qk_rope_head_dim"))
     widest = max(config.latent_dim_at(i) for i in range(config.num_hidden_layers))
-    lora = engine.get("kv_lora_rank", widest)
-    if widest > lora:
-        raise UserError(f"the latent is {widest} wide, more than {pad_for}'s kv_lora_rank {lora}: export "
-                        f"without --pad-for or convert with a smaller --d-kv")
+    lora, rope_dim = engine_shape(pad_for, widest) if pad_for else (widest, None)
+    rope, stride, power = rope_stride(kept, config.head_dim, rope_dim)
     nope = max(config.d_nope_at(i) for i in range(config.num_hidden_layers))
     return ExportShape(lora, nope, rope, stride, config.rope_theta**power)
+
+
+def engine_shape(engine: str, latent: int) -> tuple[int, int]:
+    """(kv_lora_rank, qk_rope_head_dim): the narrowest of the engine's shapes whose latent holds `latent`."""
+    fitting = [shape for shape in ENGINE_SHAPES[engine] if shape[0] >= latent]
+    if not fitting:
+        raise UserError(f"the latent is {latent} wide, more than {engine}'s largest kv_lora_rank "
+                        f"{ENGINE_SHAPES[engine][-1][0]}: export without --pad-for or convert with a smaller --d-kv")
+    return fitting[0]
 
 
 def source_rope_parameters(config, source) -> dict:
@@ -144,7 +158,7 @@ def deepseek_config(config, shape: ExportShape, rope_parameters: dict, attention
         kv_lora_rank=shape.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=shape.rope,
         qk_nope_head_dim=shape.nope, v_head_dim=config.head_dim, hidden_act=config.hidden_act,
         max_position_embeddings=config.max_position_embeddings, initializer_range=config.initializer_range,
-        rms_norm_eps=EPS, tie_word_embeddings=config.tie_word_embeddings,
+        rms_norm_eps=EPS, tie_word_embeddings=False,
         rope_parameters={**rope_parameters, "rope_theta": shape.theta}, rope_interleave=True,
         attention_bias=attention_bias, pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id)
@@ -291,7 +305,8 @@ def check_exportable(config) -> None:
 def check_engine(ds: DeepseekV3Config, pad_for: str | None) -> None:
     """What the engine padded for cannot run: vLLM's DeepSeek model has no attention biases and reads a
     non-default RoPE type as yarn (deepseek_v2.py), so it would compute another function."""
-    if pad_for == "vllm" and (ds.attention_bias or ds.rope_parameters["rope_type"] not in ("default", "yarn")):
+    if pad_for in ("vllm", "vllm-gpu") and (ds.attention_bias
+                                            or ds.rope_parameters["rope_type"] not in ("default", "yarn")):
         raise UserError("vLLM's DeepSeek model has no attention biases and reads RoPE scaling as default or yarn "
                         "only: this model cannot be served there (export without --pad-for for transformers)")
 
@@ -350,8 +365,9 @@ def write_deepseek(mla: MLAWeights, ds: DeepseekV3Config, shape: ExportShape, me
     transformers' own DeepseekV3DecoderLayer; the held-out hidden states advance through both the MLA
     layer and the exported one, so the gap compares the MLA model with what stock transformers computes
     from the written weights, while memory holds one layer and a few blocks' hidden states. The residual
-    stream is scaled by γ (residual_scale): the embeddings and what o_proj and the MLP add to it, and 1/γ
-    on the final norm's weight where the LM head is the (scaled) embedding."""
+    stream is scaled by γ (residual_scale): the embeddings and what o_proj and the MLP add to it. The LM
+    head is always written, untied (the source's, or its embeddings where it ties them): vLLM's DeepSeek
+    model never ties it."""
     config, dtype = mla.config, mla.dtype
     scales, gamma = score_scales(config, ds), residual_scale(config)
     ds.dtype = dtype
@@ -382,18 +398,14 @@ def write_deepseek(mla: MLAWeights, ds: DeepseekV3Config, shape: ExportShape, me
             x_calib = stream.forward(layer, x_calib)
 
     norm = stream.load("model.norm")
-    norm_ds = norm.weight.double() / (gamma if config.tie_word_embeddings else 1.0)
-    writer.add("model.norm.weight", norm_ds.to(dtype))
-    if config.tie_word_embeddings:
-        head, head_ds = embed.weight, embed_ds
-    else:
-        head = head_ds = stream.load("lm_head").weight
-        writer.add("lm_head.weight", head_ds)
+    writer.add("model.norm.weight", norm.weight)
+    head = embed.weight if config.tie_word_embeddings else stream.load("lm_head").weight
+    writer.add("lm_head.weight", head)
     writer.close()
     final_ds = DeepseekV3RMSNorm(config.hidden_size, ds.rms_norm_eps).to(dtype)
-    final_ds.weight.copy_(norm_ds)
+    final_ds.weight.copy_(norm.weight)
     return logits_gap(torch.nn.functional.linear(norm(x_mla), head),
-                      torch.nn.functional.linear(final_ds(x_ds), head_ds))
+                      torch.nn.functional.linear(final_ds(x_ds), head))
 
 
 def logits_gap(mla: torch.Tensor, exported: torch.Tensor) -> dict:

@@ -49,7 +49,7 @@ from ..errors import UserError
 from ..io.atomic import save_file_atomically
 from ..io.readers import SAFE_INDEX, SAFE_WEIGHTS, open_gguf
 from ..io.sources import read_config, resolve
-from .deepseek_v3 import export_checkpoint
+from .deepseek_v3 import ENGINE_SHAPES, export_checkpoint
 
 ARCH = gguf.MODEL_ARCH.DEEPSEEK2
 T = gguf.GGMLQuantizationType
@@ -248,15 +248,19 @@ def write_gguf(ds_dir: Path, out: Path, source: gguf.GGUFReader, tensor_type_nam
 
 
 def export_gguf(model_or_path, out, *, tensor_type: str = "f16", source=None, overwrite: bool = False,
-                latent_norm: str = "near_linear", calib_data=None) -> dict:
+                latent_norm: str = "near_linear", calib_data=None, pad_for: str | None = None) -> dict:
     """Write the MLA model (a checkpoint path or an (MLAForCausalLM, tokenizer) pair) to the file `out` as a
     llama.cpp deepseek2 GGUF → a report: tensor types, KV cache per token per layer (exported, MLA model,
     source), the DeepSeek-V3 export's logits gap to the MLA model, the file size.
 
     `tensor_type`: f16, bf16 or q8_0 for the matrices. `source`: the source model's GGUF file (or alias),
     whose tokenizer is carried over (default: the MLA config's source_model). `latent_norm` and
-    `calib_data` go to the DeepSeek-V3 export.
+    `calib_data` go to the DeepSeek-V3 export; so does `pad_for`, a llama.cpp engine of ENGINE_SHAPES
+    (llama.cpp-cuda: the latent and RoPE key padded to a shape of its CUDA flash-attention kernels).
     """
+    if pad_for is not None and not pad_for.startswith("llama.cpp"):
+        raise UserError(f"--pad-for {pad_for} is not a llama.cpp engine: a GGUF export pads for "
+                        f"{', '.join(e for e in ENGINE_SHAPES if e.startswith('llama.cpp'))}")
     if tensor_type not in TENSOR_TYPES:
         raise UserError(f"unknown GGUF tensor type '{tensor_type}' (supported: {', '.join(TENSOR_TYPES)})")
     out = Path(out)
@@ -272,7 +276,8 @@ def export_gguf(model_or_path, out, *, tensor_type: str = "f16", source=None, ov
 
     def write(tmp: Path) -> dict:
         # no `source` for RoPE parameters: check_graph admitted the default ladder only
-        report = export_checkpoint(model_or_path, tmp / "deepseek-v3", latent_norm=latent_norm, calib_data=calib_data)
+        report = export_checkpoint(model_or_path, tmp / "deepseek-v3", latent_norm=latent_norm, calib_data=calib_data,
+                                   pad_for=pad_for)
         report.update(write_gguf(tmp / "deepseek-v3", tmp / out.name, reader, tensor_type))
         return report
 
