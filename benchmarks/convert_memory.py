@@ -78,8 +78,9 @@ def write_random_llama(path: Path, config, tokenizer) -> int:
     return count
 
 
-def write_random_mla(path: Path, source_config, tokenizer) -> int:
-    """A random bf16 MLA checkpoint of the source's shape written one tensor at a time → its size in bytes."""
+def write_random_mla(path: Path, source_config, tokenizer, rope_pairs: int = 8, latent_dim: int = 56) -> int:
+    """A random bf16 MLA checkpoint of the source's shape (a shared RoPE key of 2·rope_pairs dims, evenly
+    spread frequencies, and a latent of latent_dim) written one tensor at a time → its size in bytes."""
     from mha2mla.io.readers import ShardWriter
     from mha2mla.modeling import MLAConfig, MLAForCausalLM
 
@@ -88,7 +89,8 @@ def write_random_mla(path: Path, source_config, tokenizer) -> int:
     config = MLAConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
                        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_layout="shared",
-                       rope_pairs=8, latent_dim=56, kept_pairs=[[list(range(0, half, half // 8))]] * c.num_hidden_layers,
+                       rope_pairs=rope_pairs, latent_dim=latent_dim,
+                       kept_pairs=[[list(range(0, half, half // rope_pairs))]] * c.num_hidden_layers,
                        tie_word_embeddings=False, source_model="random")
     config.dtype = torch.bfloat16
     path.mkdir(parents=True)

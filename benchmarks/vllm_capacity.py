@@ -2,13 +2,14 @@
 beside their MLA conversions, served by vLLM's CPU build (prints, never asserts).
 
     python benchmarks/vllm_capacity.py [--shapes Llama-2-7B,Llama-3-8B] [--sizes 512+64,256+64]
-        [--scratch DIR] [--kv-space 2] [--concurrency 1,8,32] [--keep]
+        [--mla convert|random] [--scratch DIR] [--kv-space 2] [--concurrency 1,8,32] [--keep]
 
 For each shape of benchmarks/convert_memory.py's TARGETS (SmolLM2's tokenizer and vocabulary of 49,152,
 so that real text tokenizes; the attention and MLP shapes are the models'), a random bf16 checkpoint is
 written tensor by tensor, then each size L + R (latent + RoPE key, cached values per token per layer)
 is converted by the streaming converter (`mha2mla convert SRC OUT --kv-budget L+R --rope-pairs R/2
---calib-size 4x256`) and exported (`mha2mla export OUT DS --pad-for vllm`: vLLM's CPU MLA kernels take
+--calib-size 4x256`; `--mla random`: a random MLA checkpoint of that shape written directly, for when
+the conversion, about 1 minute per 7B layer on 2 unshared cores, does not fit the time) and exported (`mha2mla export OUT DS --pad-for vllm`: vLLM's CPU MLA kernels take
 512 + 64 only, so 256 + 64 is padded there), each in a process of its own whose peak RSS is reported.
 The source and each export then run in vLLM (benchmarks/vllm_check.py in .venv-vllm, `--no-compare`):
 its KV cache in `--kv-space` GiB (tokens, tokens/GiB, requests of 4,096 tokens it holds) and the output
@@ -29,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from convert_memory import TARGETS, llama_config, write_random_llama  # noqa: E402
+from convert_memory import TARGETS, llama_config, write_random_llama, write_random_mla  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -73,6 +74,9 @@ def main() -> None:
     parser.add_argument("--scratch", default=None)
     parser.add_argument("--kv-space", type=float, default=2.0, help="GiB of vLLM KV cache for every row")
     parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--mla", default="convert", choices=["convert", "random"],
+                        help="convert the random source (default) or write a random MLA checkpoint of its shape")
+    parser.add_argument("--skip-source", action="store_true", help="no vLLM row for the source")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     args = parser.parse_args()
     if not VLLM_PYTHON.is_file():
@@ -92,22 +96,33 @@ def main() -> None:
             start = time.perf_counter()
             params = write_random_llama(source, config, tokenizer)
             print(f"<!-- {shape}: {params / 1e9:.2f} B parameters written in {time.perf_counter() - start:.0f} s -->")
-        print_row(f"{shape} source", 2 * kv * (hidden // heads), {}, served(source, args, scratch / "source.json"))
+        if not args.skip_source:
+            print_row(f"{shape} source", 2 * kv * (hidden // heads), {}, served(source, args, scratch / "source.json"))
         for size in args.sizes.split(","):
             latent, rope = map(int, size.split("+"))
             mla, ds = scratch / f"{shape}-mla-{latent}", scratch / f"{shape}-ds-{latent}"
-            converted = measured(["convert", str(source), str(mla), "--kv-budget", str(latent + rope),
-                                  "--rope-pairs", str(rope // 2), "--calib-size", "4x256", "--overwrite"])
+            if args.mla == "random":
+                start = time.perf_counter()
+                shutil.rmtree(mla, ignore_errors=True)
+                write_random_mla(mla, config, tokenizer, rope_pairs=rope // 2, latent_dim=latent)
+                converted = {"seconds": time.perf_counter() - start, "peak_gb": 0.0, "random": True}
+            else:
+                converted = measured(["convert", str(source), str(mla), "--kv-budget", str(latent + rope),
+                                      "--rope-pairs", str(rope // 2), "--calib-size", "4x256", "--overwrite"])
             exported = measured(["export", str(mla), str(ds), "--pad-for", "vllm", "--overwrite"])
-            step = {"seconds": converted["seconds"] + exported["seconds"],
-                    "peak_gb": max(converted["peak_gb"], exported["peak_gb"])} if "seconds" in exported else exported
+            step = exported  # a random MLA's row shows the export alone
+            if "seconds" in exported and not converted.get("random"):
+                step = {"seconds": converted["seconds"] + exported["seconds"],
+                        "peak_gb": max(converted["peak_gb"], exported["peak_gb"])}
             if "seconds" in converted:
-                print(f"<!-- {shape} {size}: conversion {converted['seconds']:.0f} s, {converted['peak_gb']:.1f} GB; "
+                made = "random MLA written" if converted.get("random") else "conversion"
+                print(f"<!-- {shape} {size}: {made} {converted['seconds']:.0f} s, {converted['peak_gb']:.1f} GB; "
                       f"export {exported.get('seconds', 0):.0f} s, {exported.get('peak_gb', 0):.1f} GB -->", flush=True)
             else:
                 step = converted
             padded = " (served padded to 512+64)" if latent < 512 else ""
-            print_row(f"{shape} MLA {size}{padded}", latent + rope, step,
+            made = " (random MLA weights; export only)" if converted.get("random") else ""
+            print_row(f"{shape} MLA {size}{padded}{made}", latent + rope, step,
                       served(ds, args, scratch / f"{latent}.json") if (ds / "config.json").is_file() else
                       {"error": "no export"})
             if not args.keep:
