@@ -151,7 +151,7 @@ def cmd_eval_ruler(args) -> None:
     from .evaluate.ruler import evaluate_ruler, ruler_table
 
     result = evaluate_ruler(args.model, _int_list(args.context, "--context"), samples=args.samples, seed=args.seed,
-                            kv_bits=args.kv_bits, haystack=args.haystack, dtype=args.dtype,
+                            kv_bits=args.kv_bits, haystack=args.haystack, dtype=args.dtype, resume=args.resume,
                             **({"tasks": args.tasks} if args.tasks else {}))
     _emit(result, args.json, lambda r: print(ruler_table(r)))
 
@@ -161,7 +161,7 @@ def cmd_eval_niah(args) -> None:
 
     result = niah_grid(args.model, _int_list(args.context, "--context"), _float_list(args.depths, "--depths"),
                        samples=args.samples, seed=args.seed, kv_bits=args.kv_bits, haystack=args.haystack,
-                       dtype=args.dtype)
+                       dtype=args.dtype, resume=args.resume)
     if args.plot:
         from .apps.plot import niah_figure, save_figure
 
@@ -380,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--kv-bits", type=int, default=None, help="latent cache storage of an MLA model: 16, 4 or 2")
         p.add_argument("--haystack", default=None, help="folder of prose (default: the Wikipedia shards)")
         p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--resume", default=None, metavar="FILE",
+                       help="record each scored sample in FILE (JSON lines); run again with it to skip them")
         p.add_argument("--json", action="store_true")
 
     p = ev.add_parser("ruler", help="RULER's synthetic long-context tasks (retrieval, tracking, aggregation) "

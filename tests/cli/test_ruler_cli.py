@@ -109,6 +109,33 @@ def test_eval_ruler_json_with_the_int4_latent_cache(setup, capsys):
     assert all(0 <= v <= 1 for row in result["results"].values() for v in row.values())
 
 
+def test_a_killed_run_resumes_from_its_score_file(setup, capsys, tmp_path, monkeypatch):
+    """--resume FILE: the scored samples of a first run (cut short: its last line half written) are not
+    generated again; a longer run scores only what is missing and reports what one run would; a file of
+    another run (another seed) is refused."""
+    mla, _, haystack = setup
+    common = ["eval", "ruler", mla, "--context", 512, "--tasks", "niah_single_1,vt", "--haystack", haystack, "--json"]
+    code, out, err = run(capsys, *common, "--samples", 3)
+    assert code == 0, err
+    whole = json_of(out)
+    log = tmp_path / "scores.jsonl"
+    code, out, err = run(capsys, *common, "--samples", 2, "--resume", log)
+    assert code == 0, err
+    assert len(log.read_text().splitlines()) == 1 + 4                    # the run, then 2 tasks × 2 samples
+    with log.open("a") as f:
+        f.write('{"task": "vt", "cont')                                   # killed while writing a line
+    generated = []
+    real = ruler.generate_answers
+    monkeypatch.setattr(ruler, "generate_answers", lambda model, tok, batch, *a: generated.extend(batch) or
+                        real(model, tok, batch, *a))
+    code, out, err = run(capsys, *common, "--samples", 3, "--resume", log)
+    assert code == 0, err
+    assert sorted((s.task, s.index) for s in generated) == [("niah_single_1", 2), ("vt", 2)]
+    assert json_of(out)["results"] == whole["results"]
+    code, out, err = run(capsys, *common[:-1], "--samples", 3, "--seed", 1, "--resume", log)
+    assert code == 2 and "another run" in err and "--resume" in err
+
+
 def test_eval_niah_writes_the_heat_map(setup, capsys, tmp_path):
     mla, _, haystack = setup
     code, out, err = run(capsys, "eval", "niah", mla, "--context", "512,768", "--depths", "0,62.5",

@@ -78,6 +78,7 @@ from ..modeling import LatentCache
 from ..modeling.modeling_mla import CACHE_NAME
 from .inputs import check_fits_context, check_kv_bits
 from .passkey import FILLER
+from .score_log import ScoreLog
 from .tasks import as_model, model_name
 
 CONTEXTS = (1024, 2048, 4096)
@@ -538,21 +539,30 @@ def batches(samples: Sequence[Sample], specs: dict, batch_tokens: int) -> list[l
 
 
 def run_jobs(model, tokenizer, jobs: Sequence[Job], samples: int, pool: Haystack, kv_bits: int | None,
-             batch_tokens: int = BATCH_TOKENS) -> dict[tuple[str, int], float]:
-    """{(job name, context): mean score}. Every prompt is built (and checked) before the first is generated."""
+             log: ScoreLog | None = None, batch_tokens: int = BATCH_TOKENS) -> dict[tuple[str, int], float]:
+    """{(job name, context): mean score}. Every prompt is built (and checked) before the first is generated;
+    samples `log` holds are not generated again, and each new score goes to it as its batch finishes."""
     def encode(text: str) -> list[int]:   # as generate_answers tokenizes
         return tokenizer(text)["input_ids"]
 
     specs = {job.name: job.spec for job in jobs}
     prepared = [s for job in jobs for s in make_samples(job, samples, Env(pool, job.context, encode))]
-    got: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
-    with tqdm(total=len(prepared), desc="long-context samples", unit="sample", file=sys.stderr) as bar:
-        for batch in batches(prepared, specs, batch_tokens):
+    scores = {(s.task, s.context, s.index): log.done[(s.task, s.context, s.index)] for s in prepared
+              if log is not None and (s.task, s.context, s.index) in log.done}
+    todo = [s for s in prepared if (s.task, s.context, s.index) not in scores]
+    with tqdm(total=len(prepared), initial=len(scores), desc="long-context samples", unit="sample",
+              file=sys.stderr) as bar:
+        for batch in batches(todo, specs, batch_tokens):
             answers = generate_answers(model, tokenizer, batch, specs[batch[0].task], kv_bits)
             for answer, s in zip(answers, batch):
-                got[(s.task, s.context)].append(score_of(answer, s.outputs, specs[s.task].metric))
+                scores[(s.task, s.context, s.index)] = score_of(answer, s.outputs, specs[s.task].metric)
+                if log is not None:
+                    log.add((s.task, s.context, s.index), scores[(s.task, s.context, s.index)])
             bar.update(len(batch))
             bar.set_postfix_str(f"{batch[-1].task} @ {batch[-1].context}")
+    got: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    for (task, context, _), score in scores.items():
+        got[(task, context)].append(score)
     return {key: sum(values) / len(values) for key, values in got.items()}
 
 
@@ -592,6 +602,15 @@ def _loaded(model_or_path, contexts: Sequence[int], kv_bits: int | None, dtype):
     return model, tokenizer
 
 
+def score_log(path, evaluation: str, model_or_path, seed: int, kv_bits, haystack, dtype) -> ScoreLog | None:
+    """The resumable record of a run (None without a path): named by what its scores depend on."""
+    if path is None:
+        return None
+    source = "in memory" if isinstance(haystack, Haystack) else str(haystack_dir(haystack))
+    return ScoreLog(path, {"evaluation": evaluation, "model": model_name(model_or_path), "seed": seed,
+                           "kv_bits": kv_bits, "haystack": source, "dtype": None if dtype is None else str(dtype)})
+
+
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
@@ -599,8 +618,9 @@ def _mean(values) -> float:
 
 def evaluate_ruler(model_or_path, contexts: Sequence[int] = CONTEXTS, tasks: str | Sequence[str] = tuple(TASKS),
                    samples: int = SAMPLES, seed: int = 0, kv_bits: int | None = None, haystack=None,
-                   dtype=None) -> dict:
+                   dtype=None, resume=None) -> dict:
     """RULER scores per task and context length, and their average per length (fractions in [0, 1]).
+    `resume`: a file of scored samples (score_log.py) that a killed run continues from.
 
     Returns {"model", "tasks", "contexts", "samples", "seed", "kv_bits", "results": {task: {"<context>":
     score}}, "average": {"<context>": score}, "seconds"}. `model_or_path` as in `evaluate_tasks`.
@@ -611,7 +631,8 @@ def evaluate_ruler(model_or_path, contexts: Sequence[int] = CONTEXTS, tasks: str
     pool, start = load_haystack(haystack), time.perf_counter()
     model, tokenizer = _loaded(model_or_path, contexts, kv_bits, dtype)
     jobs = [Job(task, TASKS[task], c, f"{seed}/{task}") for task in tasks for c in contexts]
-    scores = run_jobs(model, tokenizer, jobs, samples, pool, kv_bits)
+    log = score_log(resume, "ruler", model_or_path, seed, kv_bits, haystack, dtype)
+    scores = run_jobs(model, tokenizer, jobs, samples, pool, kv_bits, log)
     results = {task: {str(c): scores[(task, c)] for c in contexts} for task in tasks}
     return {"model": model_name(model_or_path), "tasks": tasks, "contexts": contexts, "samples": samples,
             "seed": seed, "kv_bits": kv_bits, "results": results,
@@ -620,7 +641,8 @@ def evaluate_ruler(model_or_path, contexts: Sequence[int] = CONTEXTS, tasks: str
 
 
 def niah_grid(model_or_path, contexts: Sequence[int] = CONTEXTS, depths: Sequence[float] = (0, 25, 50, 75, 100),
-              samples: int = 5, seed: int = 0, kv_bits: int | None = None, haystack=None, dtype=None) -> dict:
+              samples: int = 5, seed: int = 0, kv_bits: int | None = None, haystack=None, dtype=None,
+              resume=None) -> dict:
     """The needle-in-a-haystack map: niah_single_2 (a word's 7-digit number in prose) with the needle at each
     depth (% of the haystack) and context length; each sample keeps its needle and text across the grid.
 
@@ -634,7 +656,8 @@ def niah_grid(model_or_path, contexts: Sequence[int] = CONTEXTS, depths: Sequenc
     model, tokenizer = _loaded(model_or_path, contexts, kv_bits, dtype)
     jobs = [Job(f"{d:g}", replace(TASKS[NIAH_GRID_TASK], depths=(d,)), c, f"{seed}/niah")
             for c in contexts for d in depths]
-    scores = run_jobs(model, tokenizer, jobs, samples, pool, kv_bits)
+    log = score_log(resume, "niah", model_or_path, seed, kv_bits, haystack, dtype)
+    scores = run_jobs(model, tokenizer, jobs, samples, pool, kv_bits, log)
     results = {str(c): {f"{d:g}": scores[(f"{d:g}", c)] for d in depths} for c in contexts}
     return {"model": model_name(model_or_path), "task": NIAH_GRID_TASK, "contexts": contexts, "depths": depths,
             "samples": samples, "seed": seed, "kv_bits": kv_bits, "results": results,
