@@ -92,6 +92,14 @@ def test_per_head_rope_at_one_frequency_is_refused(tokenizer, calib_text, tmp_pa
     assert not (tmp_path / "ds").exists()
 
 
+def test_an_unknown_engine_for_pad_for_is_one_line_and_exit_2(mla_dir, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["export", str(mla_dir), str(tmp_path / "ds"), "--pad-for", "sglang"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown engine 'sglang'" in err and "llama.cpp-cuda" in err
+    assert not (tmp_path / "ds").exists()
+
+
 def test_export_prints_the_cache_size_and_the_gap(exported_tiny, capsys):
     from mha2mla.cli import _print_export
 
