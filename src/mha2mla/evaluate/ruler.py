@@ -545,19 +545,21 @@ def run_jobs(model, tokenizer, jobs: Sequence[Job], samples: int, pool: Haystack
     def encode(text: str) -> list[int]:   # as generate_answers tokenizes
         return tokenizer(text)["input_ids"]
 
+    def key(s: Sample) -> tuple[str, int, int]:
+        return s.task, s.context, s.index
+
     specs = {job.name: job.spec for job in jobs}
     prepared = [s for job in jobs for s in make_samples(job, samples, Env(pool, job.context, encode))]
-    scores = {(s.task, s.context, s.index): log.done[(s.task, s.context, s.index)] for s in prepared
-              if log is not None and (s.task, s.context, s.index) in log.done}
-    todo = [s for s in prepared if (s.task, s.context, s.index) not in scores]
+    done = log.done if log is not None else {}
+    scores = {key(s): done[key(s)] for s in prepared if key(s) in done}
     with tqdm(total=len(prepared), initial=len(scores), desc="long-context samples", unit="sample",
               file=sys.stderr) as bar:
-        for batch in batches(todo, specs, batch_tokens):
+        for batch in batches([s for s in prepared if key(s) not in done], specs, batch_tokens):
             answers = generate_answers(model, tokenizer, batch, specs[batch[0].task], kv_bits)
             for answer, s in zip(answers, batch):
-                scores[(s.task, s.context, s.index)] = score_of(answer, s.outputs, specs[s.task].metric)
+                scores[key(s)] = score_of(answer, s.outputs, specs[s.task].metric)
                 if log is not None:
-                    log.add((s.task, s.context, s.index), scores[(s.task, s.context, s.index)])
+                    log.add(key(s), scores[key(s)])
             bar.update(len(batch))
             bar.set_postfix_str(f"{batch[-1].task} @ {batch[-1].context}")
     got: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
