@@ -105,7 +105,7 @@ def main() -> None:
                 start = time.perf_counter()
                 shutil.rmtree(mla, ignore_errors=True)
                 write_random_mla(mla, config, tokenizer, rope_pairs=rope // 2, latent_dim=latent)
-                converted = {"seconds": time.perf_counter() - start, "peak_gb": 0.0, "random": True}
+                converted = {"seconds": time.perf_counter() - start, "random": True}
             else:
                 converted = measured(["convert", str(source), str(mla), "--kv-budget", str(latent + rope),
                                       "--rope-pairs", str(rope // 2), "--calib-size", "4x256", "--overwrite"])
@@ -115,8 +115,9 @@ def main() -> None:
                 step = {"seconds": converted["seconds"] + exported["seconds"],
                         "peak_gb": max(converted["peak_gb"], exported["peak_gb"])}
             if "seconds" in converted:
-                made = "random MLA written" if converted.get("random") else "conversion"
-                print(f"<!-- {shape} {size}: {made} {converted['seconds']:.0f} s, {converted['peak_gb']:.1f} GB; "
+                made = ("random MLA written" if converted.get("random") else
+                        f"conversion {converted['peak_gb']:.1f} GB,")
+                print(f"<!-- {shape} {size}: {made} {converted['seconds']:.0f} s; "
                       f"export {exported.get('seconds', 0):.0f} s, {exported.get('peak_gb', 0):.1f} GB -->", flush=True)
             else:
                 step = converted
