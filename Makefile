@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-qwen setup-vllm test test-fast test-llama-cpp test-vllm demo gpu-check clean
+.PHONY: setup setup-qwen setup-vllm setup-llama-cpp-tools test test-fast test-llama-cpp test-vllm demo gpu-check clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,22 @@ test-llama-cpp: setup
 	$(PY) -m pip install --quiet llama-cpp-python==0.3.36
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -ra -m llama_cpp tests/integration/test_llama_cpp.py
 
+# opt-in: llama.cpp's own tools (llama-bench, llama-batched-bench, llama-server, llama-perplexity,
+# llama-quantize) built by cmake from the llama.cpp that llama-cpp-python $(LLAMA_CPP_PYTHON) vendors, so they run
+# the same llama.cpp as the Python binding; in $(LLAMA_CPP)/build/bin (≈ 12 min on 2 cores; no download at run time)
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CPP := .llama.cpp
+LLAMA_CPP_TOOLS := llama-bench llama-batched-bench llama-server llama-perplexity llama-quantize
+setup-llama-cpp-tools: $(LLAMA_CPP)/build/bin/llama-bench
+
+$(LLAMA_CPP)/build/bin/llama-bench: setup
+	rm -rf $(LLAMA_CPP)/src && mkdir -p $(LLAMA_CPP)/src
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(LLAMA_CPP)
+	tar xzf $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_CPP)/src --strip-components 1
+	cmake -S $(LLAMA_CPP)/src/vendor/llama.cpp -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF > /dev/null
+	cmake --build $(LLAMA_CPP)/build -j $$(nproc) --target $(LLAMA_CPP_TOOLS) > $(LLAMA_CPP)/build.log
+
 # opt-in: vLLM's CPU build in an environment of its own (it pins its own torch and transformers; ≈ 4 min). Its
 # torchvision/torchaudio/torchcodec wheels do not load with that torch (`operator torchvision::nms does not
 # exist`) and nothing here needs them
@@ -62,4 +78,4 @@ gpu-check:
 	timeout 540 $(PYTHON) benchmarks/gpu_check.py --out gpu-out
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) demo-out .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_CPP) demo-out .pytest_cache

@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pad-for", default=None, metavar="ENGINE",
                    help="zero-pad the latent and RoPE key to the narrowest kernel shape of ENGINE: vllm (512 + 64, "
                         "every vLLM MLA backend, CPU included), vllm-gpu (256/448/512 + 64), llama.cpp-cuda "
-                        "(gguf: 128/256/512 + 64)")
+                        "(gguf: 128/256/512 + 64), or the shape L+R itself (e.g. 96+32)")
     p.add_argument("--latent-norm", default="near_linear", choices=["near_linear", "rms"],
                    help="how a model converted without a latent norm gets DeepSeek's kv_a_layernorm (default "
                         "near_linear: the norm kept in its near-linear range, the smaller gap measured)")

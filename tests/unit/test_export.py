@@ -136,7 +136,7 @@ def test_load_model_opens_the_export_for_eval_and_generate(exported_tiny):
 
 @pytest.mark.parametrize("engine, latent, shape", [("vllm", 6, (512, 64)), ("vllm-gpu", 6, (256, 64)),
                                                    ("vllm-gpu", 300, (448, 64)), ("llama.cpp-cuda", 100, (128, 64)),
-                                                   ("llama.cpp-cuda", 129, (256, 64))])
+                                                   ("llama.cpp-cuda", 129, (256, 64)), ("96+32", 72, (96, 32))])
 def test_padding_takes_the_engines_narrowest_shape_that_holds_the_latent(engine, latent, shape):
     assert engine_shape(engine, latent) == shape
 
@@ -144,17 +144,23 @@ def test_padding_takes_the_engines_narrowest_shape_that_holds_the_latent(engine,
 def test_padding_for_a_narrower_engine_or_an_unknown_one_is_refused(tokenizer, calib_text, tmp_path):
     with pytest.raises(UserError, match="600 wide, more than vllm's largest kv_lora_rank 512"):
         engine_shape("vllm", 600)
+    with pytest.raises(UserError, match="100 wide, more than 64[+]32's largest kv_lora_rank 64"):
+        engine_shape("64+32", 100)
+    with pytest.raises(UserError, match="even RoPE key"):
+        engine_shape("96+33", 72)
     model = tiny_mla(vocab_size=TINY_VOCAB, rope_layout="shared")
-    with pytest.raises(UserError, match="unknown engine 'sglang'.*vllm, vllm-gpu, llama.cpp-cuda"):
+    with pytest.raises(UserError, match="unknown engine 'sglang'.*vllm, vllm-gpu, llama.cpp-cuda, or a shape L[+]R"):
         export_checkpoint((model, tokenizer), tmp_path / "ds", calib_data=[calib_text], pad_for="sglang")
     assert not (tmp_path / "ds").exists()
 
 
+@pytest.mark.parametrize("pad_for, shape", [("vllm-gpu", (256, 64)), ("32+16", (32, 16))])
 @torch.no_grad()
-def test_padding_for_vllm_gpu_is_exact(tiny_mla_model, tokenizer, calib_text, tmp_path):
+def test_padding_is_exact(tiny_mla_model, tokenizer, calib_text, tmp_path, pad_for, shape):
+    """An engine's shape or an explicit L+R: zero rows and RoPE slots that change no score."""
     report = export_checkpoint((tiny_mla_model, tokenizer), tmp_path / "ds", calib_data=[calib_text],
-                               calib_seq_len=64, pad_for="vllm-gpu")
-    assert (report["kv_lora_rank"], report["qk_rope_head_dim"]) == (256, 64)
+                               calib_seq_len=64, pad_for=pad_for)
+    assert (report["kv_lora_rank"], report["qk_rope_head_dim"]) == shape
     logits, greedy = mla_run(stock_model(tmp_path / "ds"))
     want_logits, want_greedy = mla_run(tiny_mla_model)
     assert (logits - want_logits).abs().max() < NEAR_LINEAR * want_logits.abs().max() and greedy == want_greedy

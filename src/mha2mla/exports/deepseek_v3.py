@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,12 +132,29 @@ def export_shape(config, pad_for: str | None) -> ExportShape:
     return ExportShape(lora, nope, rope, stride, config.rope_theta**power)
 
 
+def pad_shapes(pad_for: str) -> tuple[tuple[int, int], ...]:
+    """The (kv_lora_rank, qk_rope_head_dim) shapes `--pad-for` names: an engine of ENGINE_SHAPES, or one
+    explicit shape `L+R` (padding to widths a kernel may prefer, e.g. multiples of 32 on a CPU)."""
+    explicit = re.fullmatch(r"(\d+)\+(\d+)", pad_for)
+    if explicit:
+        lora, rope = int(explicit[1]), int(explicit[2])
+        if lora < 1 or rope < 2 or rope % 2:
+            raise UserError(f"--pad-for {pad_for}: the shape L+R needs a latent L ≥ 1 and an even RoPE key R ≥ 2")
+        return ((lora, rope),)
+    if pad_for not in ENGINE_SHAPES:
+        raise UserError(f"unknown engine '{pad_for}' for --pad-for (supported: {', '.join(ENGINE_SHAPES)}, "
+                        f"or a shape L+R such as 96+32)")
+    return ENGINE_SHAPES[pad_for]
+
+
 def engine_shape(engine: str, latent: int) -> tuple[int, int]:
-    """(kv_lora_rank, qk_rope_head_dim): the narrowest of the engine's shapes whose latent holds `latent`."""
-    fitting = [shape for shape in ENGINE_SHAPES[engine] if shape[0] >= latent]
+    """(kv_lora_rank, qk_rope_head_dim): the narrowest of `engine`'s shapes (pad_shapes) whose latent holds
+    `latent`."""
+    shapes = pad_shapes(engine)
+    fitting = [shape for shape in shapes if shape[0] >= latent]
     if not fitting:
         raise UserError(f"the latent is {latent} wide, more than {engine}'s largest kv_lora_rank "
-                        f"{ENGINE_SHAPES[engine][-1][0]}: export without --pad-for or convert with a smaller --d-kv")
+                        f"{shapes[-1][0]}: export without --pad-for or convert with a smaller --d-kv")
     return fitting[0]
 
 
@@ -429,8 +447,8 @@ def export_checkpoint(model_or_path, out, *, pad_for: str | None = None,
     model, read for its rope_parameters when RoPE is scaled. `calib_data`: text for the latent norm's
     statistics and the gap (default: the Wikipedia shards).
     """
-    if pad_for is not None and pad_for not in ENGINE_SHAPES:
-        raise UserError(f"unknown engine '{pad_for}' for --pad-for (supported: {', '.join(ENGINE_SHAPES)})")
+    if pad_for is not None:
+        pad_shapes(pad_for)
     if latent_norm not in LATENT_NORMS:
         raise UserError(f"unknown latent norm method '{latent_norm}' (one of {', '.join(LATENT_NORMS)})")
     check_output_dir(out, overwrite)

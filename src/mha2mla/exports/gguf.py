@@ -49,7 +49,7 @@ from ..errors import UserError
 from ..io.atomic import save_file_atomically
 from ..io.readers import SAFE_INDEX, SAFE_WEIGHTS, open_gguf
 from ..io.sources import read_config, resolve
-from .deepseek_v3 import ENGINE_SHAPES, export_checkpoint
+from .deepseek_v3 import ENGINE_SHAPES, export_checkpoint, pad_shapes
 
 ARCH = gguf.MODEL_ARCH.DEEPSEEK2
 T = gguf.GGMLQuantizationType
@@ -256,11 +256,14 @@ def export_gguf(model_or_path, out, *, tensor_type: str = "f16", source=None, ov
     `tensor_type`: f16, bf16 or q8_0 for the matrices. `source`: the source model's GGUF file (or alias),
     whose tokenizer is carried over (default: the MLA config's source_model). `latent_norm` and
     `calib_data` go to the DeepSeek-V3 export; so does `pad_for`, a llama.cpp engine of ENGINE_SHAPES
-    (llama.cpp-cuda: the latent and RoPE key padded to a shape of its CUDA flash-attention kernels).
+    (llama.cpp-cuda: the latent and RoPE key padded to a shape of its CUDA flash-attention kernels) or a
+    shape `L+R`.
     """
-    if pad_for is not None and not pad_for.startswith("llama.cpp"):
-        raise UserError(f"--pad-for {pad_for} is not a llama.cpp engine: a GGUF export pads for "
-                        f"{', '.join(e for e in ENGINE_SHAPES if e.startswith('llama.cpp'))}")
+    if pad_for is not None:
+        pad_shapes(pad_for)  # an unknown engine or shape is refused before anything is read
+        if pad_for.startswith("vllm"):
+            raise UserError(f"--pad-for {pad_for} is not a llama.cpp engine: a GGUF export pads for "
+                            f"{', '.join(e for e in ENGINE_SHAPES if e.startswith('llama.cpp'))} or a shape L+R")
     if tensor_type not in TENSOR_TYPES:
         raise UserError(f"unknown GGUF tensor type '{tensor_type}' (supported: {', '.join(TENSOR_TYPES)})")
     out = Path(out)
