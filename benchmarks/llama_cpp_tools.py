@@ -1,10 +1,10 @@
-"""Decode speed of the GGUF export in llama.cpp's own tools against the source's, and where a decode step's
-time goes, op by op.
+"""The GGUF export in llama.cpp's own tools against the source: decode speed, where a decode step's time
+goes op by op, perplexity, and llama-server's greedy tokens against the MLA model's.
 
     make setup-llama-cpp-tools      # once: llama-bench, llama-batched-bench, … in .llama.cpp/build/bin
-    python benchmarks/llama_cpp_decode.py [--mla out/llama-cpp/smollm2-b72] [--out out/llama-cpp]
+    python benchmarks/llama_cpp_tools.py [--mla out/llama-cpp/smollm2-b72] [--out out/llama-cpp]
         [--context 1024,4096,16384,32768] [--flash-attn 0,1] [--pad 96+32] [--parallel 1,4,8]
-        [--parallel-prompt 1024] [--profile-context 4096] [--new-tokens 32] [--threads 2] [--repack 0|1] [--skip bench,…]
+        [--parallel-prompt 1024] [--profile-context 4096] [--new-tokens 32] [--threads 2] [--poll 50] [--repack 0|1] [--skip bench,…]
 
 The models: the MLA model at `--mla` (SmolLM2-135M converted by the default recipe at 72 values when
 absent), exported F16 by `mha2mla export --format gguf`, also padded to each `--pad` shape L+R (zero
@@ -24,6 +24,10 @@ Every row runs in llama.cpp's tools from the same build (CPU, `--threads` thread
   group nodes by op and by llama.cpp's tensor name without the layer suffix (kq, kq_soft_max, v_cont,
   kqv, …), summed over layers, in ms per step; node-at-a-time costs a thread-pool dispatch per node, so
   the step's unprofiled time is printed beside the sum.
+* `perplexity`: `llama-perplexity -f wiki.test.raw -c 1024 --chunks 8` (llama.cpp's windows: each chunk's
+  second half scored, so not mha2mla's figure, but the same for both models).
+* `server`: `llama-server` on localhost serving the export; `/completion` with the first 64 tokens of
+  WikiText-2 test (token ids), 32 greedy tokens, against the MLA model's own `generate()` (float32).
 
 `--repack 0` turns off llama.cpp's weight repacking (extra CPU buffer types), which this build needs for an
 export whose latent width is a multiple of 32: with it on, loading aborts in the scheduler
@@ -43,12 +47,18 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 SOURCE = "smollm2-135m"
-STEPS = ("bench", "parallel", "profile")
+STEPS = ("bench", "parallel", "profile", "perplexity", "server")
+
+
+def load_avg() -> list[str]:
+    return open("/proc/loadavg").read().split()[:3]
 
 
 def fail(message: str) -> None:
@@ -92,7 +102,7 @@ def mla_exports(mla: Path, out: Path, pads: list[str]) -> dict[str, Path]:
 
 
 def bench(tools: Path, models: dict[str, Path], contexts: list[int], flash: list[str], new_tokens: int,
-          threads: int, repetitions: int, repack: str) -> None:
+          threads: int, repetitions: int, repack: str, poll: int) -> None:
     print(f"\n## llama-bench: decode tok/s after the context ({new_tokens} steps, {repetitions} repetition(s))")
     names = list(models)
     print("| context | flash attention | " + " | ".join(names) + " | " +
@@ -104,9 +114,10 @@ def bench(tools: Path, models: dict[str, Path], contexts: list[int], flash: list
             for name, path in models.items():
                 line = run_tool(tools, "llama-bench", "-m", path, "-p", 0, "-n", new_tokens, "-d", context,
                                 "-fa", fa, "-t", threads, "-r", repetitions, "--repack", repack,
-                                "-o", "jsonl").strip().splitlines()[-1]
+                                "--poll", poll, "-o", "jsonl").strip().splitlines()[-1]
                 row = json.loads(line)
                 speed[name] = (row["avg_ts"], row["stddev_ts"])
+                print(f"<!-- {name}, context {context}, flash attention {fa}: tok/s {row['samples_ts']} -->")
             base = speed[names[0]][0]
             print(f"| {context} | {'on' if fa == '1' else 'off'} | "
                   + " | ".join(f"{m:.1f} ± {s:.1f}" for m, s in speed.values()) + " | "
@@ -223,6 +234,60 @@ def profile(models: dict[str, Path], tools: Path, context: int, flash: list[str]
               flush=True)
 
 
+def llama_perplexity(tools: Path, models: dict[str, Path], threads: int) -> None:
+    from mha2mla.io.text import default_eval_text
+
+    print("\n## llama-perplexity, WikiText-2 raw test, 8 chunks of 1024 tokens")
+    for name, path in models.items():
+        result = subprocess.run([str(tools / "llama-perplexity"), "-m", str(path), "-f", str(default_eval_text()),
+                                 "-c", "1024", "--chunks", "8", "-t", str(threads)], capture_output=True, text=True)
+        found = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", result.stdout + result.stderr)
+        print(f"- {name}: " + (f"PPL {found[1]} ± {found[2]}" if found else f"failed (exit {result.returncode})"),
+              flush=True)
+
+
+def llama_server(tools: Path, mla: Path, export: Path, threads: int, port: int = 8391) -> None:
+    """32 greedy tokens from llama-server against the MLA model's generate() on the same 64 prompt tokens."""
+    import torch
+
+    from mha2mla import load_model
+    from mha2mla.evaluate.perplexity import eval_windows
+    from mha2mla.io.text import default_eval_text
+
+    model, tokenizer = load_model(mla)
+    prompt = eval_windows(tokenizer, default_eval_text(), 1024, 1)[0, :64]
+    with torch.no_grad():
+        want = model.generate(prompt[None], max_new_tokens=32, do_sample=False)[0, 64:].tolist()
+    server = subprocess.Popen([str(tools / "llama-server"), "-m", str(export), "--port", str(port), "-t", str(threads),
+                               "-c", "1024", "--no-ui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health") as reply:
+                    if json.load(reply).get("status") == "ok":
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if time.time() > deadline or server.poll() is not None:
+                print(f"\n## llama-server: not ready (exit {server.poll()})")
+                return
+            time.sleep(1)
+        body = json.dumps({"prompt": prompt.tolist(), "n_predict": 32, "temperature": 0, "top_k": 1,
+                           "return_tokens": True, "cache_prompt": False}).encode()
+        request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request) as reply:
+            got = json.load(reply)["tokens"]
+    finally:
+        server.terminate()
+        server.wait()
+    same = sum(a == b for a, b in zip(got, want))
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    print(f"\n## llama-server /completion on {export.name}: 32 greedy tokens after 64 WikiText-2 tokens: {same}/32 equal "
+          f"to the MLA model's generate() (float32), first differing {first if first is not None else 'none'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mla", default="out/llama-cpp/smollm2-b72")
@@ -237,6 +302,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repetitions", type=int, default=1)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--poll", type=int, default=50,
+                        help="llama-bench's --poll, how hard idle threads spin for work, 0-100 (its default 50)")
     parser.add_argument("--repack", default="1", choices=["0", "1"],
                         help="llama.cpp's weight repacking (extra CPU buffer types; its default 1)")
     parser.add_argument("--skip", default="", help=f"comma-separated steps not to run ({', '.join(STEPS)})")
@@ -252,18 +319,22 @@ def main() -> None:
     models = {"source": source_f16(tools, out), **mla_exports(Path(args.mla), out, [p for p in args.pad.split(",") if p])}
     version = subprocess.run([str(tools / "llama-bench"), "--version"], capture_output=True, text=True)
     print(f"llama.cpp {(version.stdout + version.stderr).strip().splitlines()[0]} (llama-cpp-python's vendored "
-          f"source) in {tools}; {args.threads} threads; repack {args.repack}; load at start {open('/proc/loadavg').read().split()[:3]}")
+          f"source) in {tools}; {args.threads} threads; repack {args.repack}; llama-bench poll {args.poll}; load at start {load_avg()}")
     for name, path in models.items():
         print(f"- {name}: {path} ({path.stat().st_size / 1e6:.1f} MB)")
     if "bench" not in skip:
         bench(tools, models, [int(c) for c in args.context.split(",")], flash, args.new_tokens, args.threads,
-              args.repetitions, args.repack)
+              args.repetitions, args.repack, args.poll)
     if "parallel" not in skip:
         parallel(tools, models, args.parallel_prompt, [int(n) for n in args.parallel.split(",")], flash, args.threads,
                  args.repack)
     if "profile" not in skip:
         profile(models, tools, args.profile_context, flash, args.new_tokens, args.threads, args.repack)
-    print(f"\nload at the end {open('/proc/loadavg').read().split()[:3]}")
+    if "perplexity" not in skip:
+        llama_perplexity(tools, models, args.threads)
+    if "server" not in skip:
+        llama_server(tools, Path(args.mla), models["MLA export"], args.threads)
+    print(f"\nload at the end {load_avg()}")
 
 
 if __name__ == "__main__":
