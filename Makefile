@@ -37,7 +37,7 @@ test-llama-cpp: setup
 
 # opt-in: llama.cpp's own tools (llama-bench, llama-batched-bench, llama-server, llama-perplexity,
 # llama-quantize) built by cmake from the llama.cpp that llama-cpp-python $(LLAMA_CPP_PYTHON) vendors, so they run
-# the same llama.cpp as the Python binding; in $(LLAMA_CPP)/build/bin (≈ 12 min on 2 cores; no download at run time)
+# the same llama.cpp as the Python binding; in $(LLAMA_CPP)/build/bin (≈ 9 min on 2 cores here; nothing downloads at run time)
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPP := .llama.cpp
 LLAMA_CPP_TOOLS := llama-bench llama-batched-bench llama-server llama-perplexity llama-quantize
