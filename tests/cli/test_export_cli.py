@@ -9,6 +9,7 @@ The Python API's exactness and gaps: tests/unit/test_export.py and tests/unit/te
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -92,11 +93,14 @@ def test_per_head_rope_at_one_frequency_is_refused(tokenizer, calib_text, tmp_pa
     assert not (tmp_path / "ds").exists()
 
 
-def test_an_unknown_engine_for_pad_for_is_one_line_and_exit_2(mla_dir, tmp_path, capsys):
+@pytest.mark.parametrize("pad_for, message", [("sglang", "unknown engine 'sglang'"),
+                                              ("64+33", "even RoPE key"), ("2+16", "more than 2[+]16's largest")])
+def test_a_bad_pad_for_is_one_line_and_exit_2(mla_dir, tmp_path, capsys, pad_for, message):
+    """An unknown engine, an odd RoPE key, a shape narrower than the model's latent."""
     capsys.readouterr()
-    assert main(["export", str(mla_dir), str(tmp_path / "ds"), "--pad-for", "sglang"]) == 2
+    assert main(["export", str(mla_dir), str(tmp_path / "ds"), "--pad-for", pad_for]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "unknown engine 'sglang'" in err and "llama.cpp-cuda" in err
+    assert len(err.splitlines()) == 1 and re.search(message, err)
     assert not (tmp_path / "ds").exists()
 
 
