@@ -3,8 +3,9 @@ goes op by op, perplexity, and llama-server's greedy tokens against the MLA mode
 
     make setup-llama-cpp-tools      # once: llama-bench, llama-batched-bench, … in .llama.cpp/build/bin
     python benchmarks/llama_cpp_tools.py [--mla out/llama-cpp/smollm2-b72] [--out out/llama-cpp]
-        [--context 1024,4096,16384,32768] [--flash-attn 0,1] [--pad 96+32] [--parallel 1,4,8]
-        [--parallel-prompt 1024] [--profile-context 4096] [--new-tokens 32] [--threads 2] [--poll 50] [--repack 0|1] [--skip bench,…]
+        [--context 1024,4096,16384,32768] [--flash-attn 0,1] [--pad 64+16] [--parallel 1,4,8]
+        [--parallel-prompt 1024] [--profile-context 4096] [--new-tokens 32] [--repetitions 1] [--threads 2]
+        [--poll 50] [--repack 0|1] [--skip bench,…]
 
 The models: the MLA model at `--mla` (SmolLM2-135M converted by the default recipe at 72 values when
 absent), exported F16 by `mha2mla export --format gguf`, also padded to each `--pad` shape L+R (zero
@@ -62,7 +63,7 @@ def load_avg() -> list[str]:
 
 
 def fail(message: str) -> None:
-    print(f"llama_cpp_decode: {message}", file=sys.stderr)
+    print(f"llama_cpp_tools: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -167,7 +168,7 @@ class OpProfile:
         if ask:
             self.start = now
             return True
-        name = re.sub(r"-\d+\b", "", self.ggml.ggml_get_name(tensor).decode())  # one row for every layer's
+        name = re.sub(r"-\d+\b", "", self.ggml.ggml_get_name(tensor).decode())  # kq-7 → kq: layers summed
         name = re.sub(r"^node_\d+", "(unnamed)", name)
         self.totals[self.ggml.ggml_op_desc(tensor).decode(), name] += now - self.start
         return True
@@ -175,13 +176,17 @@ class OpProfile:
 
 def profile(models: dict[str, Path], tools: Path, context: int, flash: list[str], new_tokens: int,
             threads: int, repack: str) -> None:
-    os.environ["LLAMA_CPP_LIB_PATH"] = str(tools)
-    import llama_cpp
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(tools)  # the binding runs the tools' own build
+    try:
+        import llama_cpp
+    except ImportError:
+        fail("the profile needs llama.cpp's Python binding: pip install llama-cpp-python==0.3.36 (make "
+             "test-llama-cpp installs it), or pass --skip profile")
 
     quiet = llama_cpp.llama_log_callback(lambda *_: None)  # referenced until the end: llama.cpp calls it
     llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
-    print(f"\n## Per-op profile of a decode step at context {context} (ms per step, median of {new_tokens} steps; "
+    print(f"\n## Per-op profile of a decode step at context {context} (ms per step, mean of {new_tokens} steps; "
           f"one node at a time)")
     rng = np.random.default_rng(0)
     for fa in flash:
