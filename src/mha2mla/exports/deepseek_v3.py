@@ -448,7 +448,7 @@ def export_checkpoint(model_or_path, out, *, pad_for: str | None = None,
     statistics and the gap (default: the Wikipedia shards).
     """
     if pad_for is not None:
-        pad_shapes(pad_for)
+        pad_shapes(pad_for)  # an unknown engine or shape is refused before anything is read
     if latent_norm not in LATENT_NORMS:
         raise UserError(f"unknown latent norm method '{latent_norm}' (one of {', '.join(LATENT_NORMS)})")
     check_output_dir(out, overwrite)
