@@ -13,7 +13,7 @@ tokens and the zero-shot task average (`mha2mla eval tasks`, `--limit` items per
 
     python benchmarks/recovery.py zero-shot [--model smollm2-135m] [--budgets 48,72,120] [--reconstruct 100]
     python benchmarks/recovery.py recovery [--model smollm2-135m] [--budget 72] [--steps 50,200]
-                                           [--rows lm distill reconstruct+distill]
+                                           [--rows lm distill reconstruct+distill] [--alpha A] [--temperature T]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from transformers import TrainerCallback
 
 from mha2mla import convert, load_source
-from mha2mla.apps.distill import Distillation
+from mha2mla.apps.distill import ALPHA, TEMPERATURE, Distillation
 from mha2mla.apps.train import train
 from mha2mla.evaluate.perplexity import perplexity
 from mha2mla.evaluate.tasks import evaluate_tasks
@@ -86,7 +86,8 @@ def recovery(source, tok, args) -> None:
         ppl0 = perplexity(mla, tok, windows=args.windows, progress=False)["ppl"]
         print(f"recovery {row:>20} zero-shot: ppl {ppl0:8.1f}  (conversion {seconds:.0f} s)", flush=True)
         evals = EvalAt(steps, tok, args.windows, row)
-        distill = Distillation(teacher=source) if "distill" in row else None
+        distill = (Distillation(teacher=source, alpha=args.alpha, temperature=args.temperature)
+                   if "distill" in row else None)
         with tempfile.TemporaryDirectory() as out:
             result = train((mla, tok), out, steps=max(steps), seq_len=256, batch_size=4, save_every=0,
                            callbacks=[evals], distill=distill)
@@ -107,10 +108,12 @@ def main() -> None:
     parser.add_argument("--reconstruct", type=int, default=100, help="reconstruction steps per layer")
     parser.add_argument("--steps", default="50,200")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--alpha", type=float, default=ALPHA, help="distillation: weight of the KL")
+    parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="distillation: temperature")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--limit", type=int, default=200, help="items per task (0: no task evaluation)")
     args = parser.parse_args()
-    print(f"torch threads: {torch.get_num_threads()}", flush=True)
+    print(f"torch threads: {torch.get_num_threads()}; distillation alpha {args.alpha}, T {args.temperature}", flush=True)
     source, tok = load_source(args.model)
     print(f"source ppl {perplexity(source, tok, windows=args.windows, progress=False)['ppl']:.2f}", flush=True)
     (zero_shot if args.part == "zero-shot" else recovery)(source, tok, args)

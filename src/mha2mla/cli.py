@@ -194,16 +194,28 @@ def cmd_train(args) -> None:
     from .apps.distill import Distillation
     from .apps.train import train
 
-    if not args.distill and (args.teacher or args.distill_alpha is not None or args.distill_temperature is not None):
-        raise UserError("--teacher, --distill-alpha and --distill-temperature set distillation: add --distill")
+    if not args.distill and (args.teacher or args.distill_targets or args.distill_alpha is not None
+                             or args.distill_temperature is not None):
+        raise UserError("--teacher, --distill-targets, --distill-alpha and --distill-temperature set distillation: "
+                        "add --distill")
     given = {k: v for k, v in (("alpha", args.distill_alpha), ("temperature", args.distill_temperature)) if v is not None}
-    distill = Distillation(args.teacher, **given) if args.distill else None
+    distill = Distillation(args.teacher, targets=args.distill_targets, **given) if args.distill else None
     result = train(args.model, args.out, args.data, args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
                    grad_accum=args.grad_accum, lr=args.lr, freeze_non_attention=args.freeze_non_attention,
                    bf16=args.bf16, resume=args.resume, save_every=args.save_every, seed=args.seed, distill=distill)
     if PartialState().is_main_process:  # under accelerate launch / torchrun every process runs this
         _emit(result, args.json, lambda r: print(f"trained {r['steps']} steps ({r['tokens']} tokens), "
                                                  f"final loss {r['final_loss']:.4f}; wrote {r['out']}"))
+
+
+def cmd_distill_targets(args) -> None:
+    from .apps.distill_targets import write_targets
+
+    result = write_targets(args.teacher, args.out, args.data, args.steps, seq_len=args.seq_len,
+                           batch_size=args.batch_size, grad_accum=args.grad_accum, processes=args.processes,
+                           top_k=args.top_k, device=args.device)
+    _emit(result, args.json, lambda r: print(f"wrote the top-{r['top_k']} targets of {r['blocks']} blocks of "
+                                             f"{r['seq_len']} tokens to {args.out}"))
 
 
 def cmd_plot(args) -> None:
@@ -413,11 +425,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher", default=None, help="the teacher (default: the source the MLA model was converted from)")
     p.add_argument("--distill-alpha", type=float, default=None, help="α, the KL's weight in [0, 1] (default 0.5)")
     p.add_argument("--distill-temperature", type=float, default=None, help="T > 0 (default 1)")
+    p.add_argument("--distill-targets", default=None, metavar="DIR",
+                   help="distil from the teacher's top-k targets written by `mha2mla distill-targets` (no teacher "
+                        "in memory)")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its last checkpoint")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every K steps (0: none; default 100)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("distill-targets", help="write a teacher's top-k log-probabilities over the blocks of a "
+                                               "training run, for `train --distill --distill-targets`")
+    p.add_argument("teacher", help="the teacher: the source the MLA model was converted from")
+    p.add_argument("out", help="new directory for the targets")
+    p.add_argument("--top-k", type=int, default=64, help="tokens kept per position (default 64)")
+    p.add_argument("--data", nargs="+", default=None, help="the run's --data (default: Wikipedia shards)")
+    p.add_argument("--steps", type=int, required=True, help="the run's --steps")
+    p.add_argument("--seq-len", type=int, default=512, help="the run's --seq-len (default 512)")
+    p.add_argument("--batch-size", type=int, default=4, help="the run's --batch-size (default 4)")
+    p.add_argument("--grad-accum", type=int, default=1, help="the run's --grad-accum (default 1)")
+    p.add_argument("--processes", type=int, default=1, help="the run's process count (default 1)")
+    p.add_argument("--device", default="cpu", help="where the teacher runs (default cpu)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_distill_targets)
 
     p = sub.add_parser("plot", help="the loss-curve figure of training runs (PNG and SVG)")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `mha2mla train`")

@@ -96,3 +96,23 @@ def test_resume_refuses_another_model_and_a_non_empty_out(tiny_model, text_dir, 
     args = ["--data", str(text_dir), "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--lr", "1e-3"]
     assert "cannot resume" in error_of(["train", str(other), str(tmp_path / "run"), *args, "--resume"], capsys)
     assert "is not empty" in error_of(["train", str(tiny_model), str(tmp_path / "run"), *args], capsys)
+
+
+def test_distilling_from_offline_targets_end_to_end(tiny_model, text_dir, tmp_path, cli, one_thread):
+    """`distill-targets` writes the teacher's top-k over the run's blocks; `train --distill --distill-targets`
+    reads them (no teacher loaded); other run settings, or --distill-targets without --distill, are one line."""
+    run = ["--data", str(text_dir), "--steps", "2", "--seq-len", "32", "--batch-size", "2"]
+    done = cli("distill-targets", tiny_model, tmp_path / "targets", *run, "--top-k", "8", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["blocks"] == 4
+    trained = cli("train", tiny_model, tmp_path / "run", *run, "--distill", "--distill-targets", tmp_path / "targets",
+                  "--json")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert json.loads(trained.stdout.strip().splitlines()[-1])["teacher_bytes"] == 0
+    assert all(r["kl"] > 0 for r in read_log(tmp_path / "run"))  # the top-8 KL of a student equal to its teacher
+    other = cli("train", tiny_model, tmp_path / "other", *run[:-1], "4", "--distill", "--distill-targets",
+                tmp_path / "targets")
+    assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith("error: the targets")
+    alone = cli("train", tiny_model, tmp_path / "alone", *run, "--distill-targets", tmp_path / "targets")
+    assert alone.returncode == 2 and "add --distill" in alone.stderr
+    assert not (tmp_path / "other").exists() or not (tmp_path / "other" / "model.safetensors").exists()

@@ -18,8 +18,9 @@ joined by EOS); exactly steps · batch · grad_accum · processes blocks are dra
 the run's seed, so every run with the same settings sees the same data in the same order.
 
 With `distill` (apps/distill.py) the loss is distillation from a frozen teacher (by default the source
-the MLA model was converted from) mixed with the LM loss; the loss log's `loss` is then still the LM
-loss, comparable across runs, beside the KL and the objective.
+the MLA model was converted from), or from its top-k targets written beforehand (apps/distill_targets.py),
+mixed with the LM loss; the loss log's `loss` is then still the LM loss, comparable across runs, beside
+the KL and the objective.
 
 The output folder:
     run.json          model, panel ("MHA2MLA"/"GQA2MLA"), variant ("base"/"d_kv=16"), settings,
@@ -59,6 +60,7 @@ from ..io.checkpoint import write_checkpoint_files
 from ..io.sources import load_model
 from ..io.text import default_train_text, pack_blocks
 from .distill import Distillation, DistillationTrainer, load_teacher
+from .distill_targets import Targets
 
 WARMUP_FRACTION = 0.05
 DECAY_FRACTION = 0.10
@@ -109,10 +111,11 @@ def train(model_or_path, out, data=None, steps: int = 100, *, seq_len: int = 512
 
     use_cache = model.config.use_cache
     log = LossLog(out / "loss.jsonl")
-    teacher = load_teacher(distill, model, tokenizer) if distill else None
-    extra = dict(teacher=teacher, distillation=distill) if distill else {}
+    targets = Targets(distill.targets, blocks, model.config.vocab_size) if distill and distill.targets else None
+    teacher = load_teacher(distill, model, tokenizer) if distill and not targets else None
+    extra = dict(teacher=teacher, targets=targets, distillation=distill) if distill else {}
     trainer = (DistillationTrainer if distill else Trainer)(
-        model=model, args=args, train_dataset=Blocks(blocks), **extra,
+        model=model, args=args, train_dataset=Blocks(blocks, indexed=targets is not None), **extra,
         callbacks=[log, AtomicCheckpoints(out / "checkpoints"), *tensorboard(out, args), *(callbacks or [])])
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(ProgressBar())
@@ -180,16 +183,18 @@ def training_arguments(out: Path, steps, seq_len, batch_size, grad_accum, lr, bf
 
 
 class Blocks(torch.utils.data.Dataset):
-    """Packed token blocks as causal-LM examples (the model shifts the labels)."""
+    """Packed token blocks as causal-LM examples (the model shifts the labels); `indexed`: each with its
+    index as `block` (where offline distillation targets are read by it)."""
 
-    def __init__(self, blocks: torch.Tensor):
-        self.blocks = blocks
+    def __init__(self, blocks: torch.Tensor, indexed: bool = False):
+        self.blocks, self.indexed = blocks, indexed
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+        example = {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+        return {**example, "block": i} if self.indexed else example
 
 
 def freeze_all_but_attention(model) -> None:
