@@ -9,7 +9,8 @@ tokens and the zero-shot task average (`mha2mla eval tasks`, `--limit` items per
   recovery    at one budget: one fine-tuning run per row (batch 4 × 256 tokens of the Wikipedia shards,
               the paper's optimizer and WSD schedule, the same data in the same order), perplexity
               before it and after each listed step; rows: lm (LM loss), distill (distillation from the
-              source, apps/distill.py), reconstruct+distill (the reconstructed conversion, distilled)
+              source, apps/distill.py), reconstruct+distill (the reconstructed conversion, distilled); the task
+              average before the run and after its last step
 
     python benchmarks/recovery.py zero-shot [--model smollm2-135m] [--budgets 48,72,120] [--reconstruct 100]
     python benchmarks/recovery.py recovery [--model smollm2-135m] [--budget 72] [--steps 50,200]
@@ -83,20 +84,25 @@ def recovery(source, tok, args) -> None:
     curves = {}
     for row in args.rows:
         mla, seconds = converted(source, tok, args.budget, args.reconstruct if row.startswith("reconstruct") else 0)
-        ppl0 = perplexity(mla, tok, windows=args.windows, progress=False)["ppl"]
-        print(f"recovery {row:>20} zero-shot: ppl {ppl0:8.1f}  (conversion {seconds:.0f} s)", flush=True)
+        ppl0, tasks0 = scores(mla, tok, args)
+        print(f"recovery {row:>20} zero-shot: ppl {ppl0:8.1f}  tasks {tasks0:.4f}  (conversion {seconds:.0f} s)",
+              flush=True)
         evals = EvalAt(steps, tok, args.windows, row)
         distill = (Distillation(teacher=source, alpha=args.alpha, temperature=args.temperature)
                    if "distill" in row else None)
         with tempfile.TemporaryDirectory() as out:
             result = train((mla, tok), out, steps=max(steps), seq_len=256, batch_size=4, save_every=0,
                            callbacks=[evals], distill=distill)
-        curves[row] = ({0: ppl0, **evals.ppl}, result)
+        mla.eval()
+        tasks = evaluate_tasks((mla, tok), limit=args.limit, dtype="bfloat16")["average"] if args.limit else float("nan")
+        print(f"recovery {row:>20} after {max(steps):>3} steps: tasks {tasks:.4f}", flush=True)
+        curves[row] = ({0: ppl0, **evals.ppl}, (tasks0, tasks), result)
     print(f"\n| {args.model}, {args.budget} values: steps | 0 | " + " | ".join(map(str, steps))
-          + " | tokens | train s | peak RSS MB |\n|---|---:|" + "---:|" * (len(steps) + 3))
-    for row, (ppl, result) in curves.items():
+          + " | task average: 0 → last | tokens | train s | peak RSS MB |\n|---|---:|" + "---:|" * (len(steps) + 4))
+    for row, (ppl, (tasks0, tasks), result) in curves.items():
         print(f"| {row} | " + " | ".join(f"{ppl[s]:,.1f}" for s in [0, *steps])
-              + f" | {result['tokens']:,} | {result['seconds']:.0f} | {result['peak_rss_mb']:.0f} |")
+              + f" | {tasks0:.4f} → {tasks:.4f} | {result['tokens']:,} | {result['seconds']:.0f} | "
+                f"{result['peak_rss_mb']:.0f} |")
 
 
 def main() -> None:

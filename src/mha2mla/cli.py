@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill", action="store_true",
                    help="distil from a frozen teacher: α·KL(teacher ‖ model) at temperature T + (1 − α)·LM loss")
     p.add_argument("--teacher", default=None, help="the teacher (default: the source the MLA model was converted from)")
-    p.add_argument("--distill-alpha", type=float, default=None, help="α, the KL's weight in [0, 1] (default 0.5)")
+    p.add_argument("--distill-alpha", type=float, default=None, help="α, the KL's weight in [0, 1] (default 1: the KL alone)")
     p.add_argument("--distill-temperature", type=float, default=None, help="T > 0 (default 1)")
     p.add_argument("--distill-targets", default=None, metavar="DIR",
                    help="distil from the teacher's top-k targets written by `mha2mla distill-targets` (no teacher "
