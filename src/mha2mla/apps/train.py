@@ -81,7 +81,7 @@ def train(model_or_path, out, data=None, steps: int = 100, *, seq_len: int = 512
     for the figure (default: read from the model). With `resume`, a run already in `out` continues
     from its last checkpoint (a finished run is returned as it is); without it `out` must be empty.
     The model object of a tuple is trained in place; `callbacks`: extra TrainerCallbacks (e.g. an
-    evaluation during the run). `distill`: a Distillation (teacher, α, T). Result: {"out", "steps",
+    evaluation during the run). `distill`: a Distillation (teacher or offline targets, α, T). Result: {"out", "steps",
     "final_loss" (LM), "tokens", "seconds", "panel", "variant", "peak_rss_mb", "teacher_bytes"}.
     """
     _check_numbers(steps, batch_size, grad_accum, lr, save_every)
