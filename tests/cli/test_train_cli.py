@@ -116,3 +116,6 @@ def test_distilling_from_offline_targets_end_to_end(tiny_model, text_dir, tmp_pa
     alone = cli("train", tiny_model, tmp_path / "alone", *run, "--distill-targets", tmp_path / "targets")
     assert alone.returncode == 2 and "add --distill" in alone.stderr
     assert not (tmp_path / "other").exists() or not (tmp_path / "other" / "model.safetensors").exists()
+    bad = cli("distill-targets", tiny_model, tmp_path / "bad", *run, "--top-k", "0")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --top-k")
+    assert not (tmp_path / "bad").exists() and not (tmp_path / ".bad.partial").exists()
