@@ -14,7 +14,8 @@ tokens and the zero-shot task average (`mha2mla eval tasks`, `--limit` items per
 
     python benchmarks/recovery.py zero-shot [--model smollm2-135m] [--budgets 48,72,120] [--reconstruct 100]
     python benchmarks/recovery.py recovery [--model smollm2-135m] [--budget 72] [--steps 50,200]
-                                           [--rows lm distill reconstruct+distill] [--alpha A] [--temperature T]
+                                           [--rows lm distill reconstruct+distill] [--lr 1e-4]
+                                           [--alpha A] [--temperature T]
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def recovery(source, tok, args) -> None:
         distill = (Distillation(teacher=source, alpha=args.alpha, temperature=args.temperature)
                    if "distill" in row else None)
         with tempfile.TemporaryDirectory() as out:
-            result = train((mla, tok), out, steps=max(steps), seq_len=256, batch_size=4, save_every=0,
+            result = train((mla, tok), out, steps=max(steps), seq_len=256, batch_size=4, lr=args.lr, save_every=0,
                            callbacks=[evals], distill=distill)
         mla.eval()
         tasks = evaluate_tasks((mla, tok), limit=args.limit, dtype="bfloat16")["average"] if args.limit else float("nan")
@@ -116,10 +117,12 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     parser.add_argument("--alpha", type=float, default=ALPHA, help="distillation: weight of the KL")
     parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="distillation: temperature")
+    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate of the fine-tune")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--limit", type=int, default=200, help="items per task (0: no task evaluation)")
     args = parser.parse_args()
-    print(f"torch threads: {torch.get_num_threads()}; distillation alpha {args.alpha}, T {args.temperature}", flush=True)
+    print(f"torch threads: {torch.get_num_threads()}; lr {args.lr}; distillation alpha {args.alpha}, "
+          f"T {args.temperature}", flush=True)
     source, tok = load_source(args.model)
     print(f"source ppl {perplexity(source, tok, windows=args.windows, progress=False)['ppl']:.2f}", flush=True)
     (zero_shot if args.part == "zero-shot" else recovery)(source, tok, args)
