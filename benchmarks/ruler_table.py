@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 
-from mha2mla.evaluate.ruler import TASKS
+from mha2mla.evaluate.ruler import TASKS, grid_table
+from mha2mla.evaluate.score_log import read_scores
 
 
 def scores(path: Path) -> dict[tuple[str, int], list[float]]:
-    """{(task, context): [score per sample]} of one resume file (its first line names the run)."""
+    """{(task, context): [score per sample]} of one resume file."""
     per = collections.defaultdict(list)
-    for line in path.read_text(encoding="utf-8").splitlines()[1:]:
-        row = json.loads(line)
-        per[(row["task"], row["context"])].append(row["score"])
+    for (task, context, _), score in read_scores(path)[1].items():
+        per[(task, context)].append(score)
     return per
+
+
+def length(context: int) -> str:
+    return f"{context // 1024}K" if context % 1024 == 0 else str(context)
 
 
 def table(runs: dict[str, dict], samples: int, contexts: list[int] | None) -> str:
@@ -39,18 +42,11 @@ def table(runs: dict[str, dict], samples: int, contexts: list[int] | None) -> st
             else:
                 print(f"left out {label} @ {context}: not every task has {samples} samples", file=sys.stderr)
     columns.sort(key=lambda lc: (lc[1], list(runs).index(lc[0])))
-
-    def mean(label, task, context) -> float:
-        values = runs[label][(task, context)][:samples]
-        return 100 * sum(values) / len(values)
-
-    lines = ["| task (%) | " + " | ".join(f"{label} @ {context // 1024}K" for label, context in columns) + " |",
-             "|---|" + "---:|" * len(columns)]
-    lines += [f"| {task} | " + " | ".join(f"{mean(label, task, c):.1f}" for label, c in columns) + " |"
-              for task in TASKS]
-    lines.append("| **average** | " + " | ".join(
-        f"**{sum(mean(label, task, c) for task in TASKS) / len(TASKS):.1f}**" for label, c in columns) + " |")
-    return "\n".join(lines)
+    names = [f"{label} @ {length(context)}" for label, context in columns]
+    rows = {task: {name: sum(runs[label][(task, c)][:samples]) / samples for name, (label, c) in zip(names, columns)}
+            for task in TASKS}
+    average = {name: sum(row[name] for row in rows.values()) / len(rows) for name in names}
+    return grid_table(rows, "task (%)", average)
 
 
 def main() -> None:

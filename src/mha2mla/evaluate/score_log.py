@@ -19,26 +19,39 @@ from ..io.atomic import write_file_atomically
 Key = tuple[str, int, int]  # (task or grid column, context length, sample index)
 
 
+def read_scores(path: str | Path) -> tuple[dict | None, dict[Key, float]]:
+    """(the run the file names, {key: score}) of a score file, without a line cut short by a kill;
+    (None, {}) for a missing or empty file."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    done = {}
+    for line in lines[1:]:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break  # the line being written when the run was killed
+        done[(row["task"], row["context"], row["index"])] = row["score"]
+    return (json.loads(lines[0]) if lines else None), done
+
+
+def _line(key: Key, score: float) -> str:
+    task, context, index = key
+    return json.dumps({"task": task, "context": context, "index": index, "score": score})
+
+
 class ScoreLog:
     """The scored samples of `run` in the file `path` (made, or read back and cleaned of a cut line)."""
 
     def __init__(self, path: str | Path, run: dict):
-        self.path, self.done = Path(path), {}
-        lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.is_file() else []
-        if lines and json.loads(lines[0]) != run:
-            raise UserError(f"{self.path} holds the scores of another run ({lines[0]}): give another --resume file")
-        kept = []
-        for line in lines[1:]:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break  # the line being written when the run was killed
-            self.done[(row["task"], row["context"], row["index"])] = row["score"]
-            kept.append(line)
-        write_file_atomically(self.path, lambda f: f.write("".join(f"{line}\n" for line in [json.dumps(run), *kept])))
+        self.path = Path(path)
+        named, self.done = read_scores(self.path)
+        if named is not None and named != run:
+            raise UserError(f"{self.path} holds the scores of another run ({json.dumps(named)}): "
+                            "give another --resume file")
+        lines = [json.dumps(run), *(_line(key, score) for key, score in self.done.items())]
+        write_file_atomically(self.path, lambda f: f.write("".join(f"{line}\n" for line in lines)))
 
     def add(self, key: Key, score: float) -> None:
-        task, context, index = key
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps({"task": task, "context": context, "index": index, "score": score}) + "\n")
+            f.write(_line(key, score) + "\n")
         self.done[key] = score
