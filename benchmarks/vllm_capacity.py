@@ -3,6 +3,7 @@ beside their MLA conversions, served by vLLM's CPU build (prints, never asserts)
 
     python benchmarks/vllm_capacity.py [--shapes Llama-2-7B,Llama-3-8B] [--sizes 512+64,256+64]
         [--mla convert|random] [--scratch DIR] [--kv-space 2] [--concurrency 1,8,32] [--keep]
+        [--step-timeout 300]
 
 For each shape of benchmarks/convert_memory.py's TARGETS (SmolLM2's tokenizer and vocabulary of 49,152,
 so that real text tokenizes; the attention and MLP shapes are the models'), a random bf16 checkpoint is
@@ -14,13 +15,19 @@ the conversion, about 1 minute per 7B layer on 2 unshared cores, does not fit th
 The source and each export then run in vLLM (benchmarks/vllm_check.py in .venv-vllm, `--no-compare`):
 its KV cache in `--kv-space` GiB (tokens, tokens/GiB, requests of 4,096 tokens it holds) and the output
 tok/s of 1 / 8 / 32 requests of 16 prompt + 8 new tokens submitted together. Random weights make
-garbage text: capacity and speed are what these rows measure. Rows that do not fit print the error.
+garbage text: capacity and speed are what these rows measure. A row that fails prints vLLM's root cause
+(its whole log is kept beside the row's JSON in the scratch directory) and the capacity, when the engine
+came up before the failure. vLLM-CPU's bfloat16 GEMMs are oneDNN's and need AVX-512 BF16 or AMX: on a CPU
+without them (the header names the CPU) it falls back to torch's linear, far slower, and an engine step
+of a 7-8B model can outlast vLLM's 300 s timeout (`--step-timeout`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,23 +53,49 @@ def measured(argv: list[str]) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def cpu_name() -> str:
+    """The CPU's model and its bfloat16 matrix instructions (vLLM-CPU's bf16 GEMMs need them)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    model = re.search(r"model name\s*:\s*(.+)", info)
+    flags = re.search(r"flags\s*:\s*(.+)", info)
+    flags = set(flags.group(1).split()) if flags else set()
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags] or ["no AVX-512 BF16 / AMX"]
+    return f"{model.group(1) if model else 'unknown CPU'} ({', '.join(bf16)})"
+
+
+def failure(run: subprocess.CompletedProcess, log: Path) -> dict:
+    """A failed vllm_check run → its root cause (the first exception line vLLM logged), the KV capacity
+    if the engine came up before it failed, and its whole output kept in `log`."""
+    log.write_text(run.stdout + run.stderr)
+    causes = [line.split("] ")[-1] for line in run.stderr.splitlines() if re.search(r"\w(Error|Exception): ", line)]
+    result = {"error": f"{(causes or [f'exit {run.returncode}'])[0][:200]} (log: {log})"}
+    capacity = re.search(r"vLLM KV cache: ([\d,]+) tokens", run.stdout)
+    if capacity:
+        tokens = int(capacity.group(1).replace(",", ""))
+        result.update(kv_tokens=tokens, kv_tokens_per_gib=tokens / float(run.args[run.args.index("--kv-space") + 1]),
+                      max_concurrency_4k=tokens / 4096)
+    return result
+
+
 def served(model: Path, args, out: Path) -> dict:
-    """benchmarks/vllm_check.py on `model` without transformers → its JSON (or the error)."""
+    """benchmarks/vllm_check.py on `model` without transformers → its JSON (or `failure`)."""
     run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_check.py"), str(model), "--no-compare",
                           "--prompts", "32", "--prompt-tokens", "16", "--new-tokens", "8", "--max-model-len", "1024",
                           "--kv-space", str(args.kv_space), "--concurrency", args.concurrency, "--json", str(out)],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True,
+                         env={**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(args.step_timeout)})
     if run.returncode != 0:
-        return {"error": (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1][-300:]}
+        return failure(run, out.with_suffix(".log"))
     return json.loads(out.read_text())
 
 
 def print_row(name: str, values: int | str, step: dict, vllm: dict) -> None:
     prep = f"{step['seconds']:.0f} s, {step['peak_gb']:.1f} GB" if "seconds" in step else step.get("error", "")
-    if "error" in vllm:
+    if "error" in vllm and "kv_tokens" not in vllm:
         print(f"| {name} | {values} | {prep} | vLLM failed: {vllm['error']} | | | |", flush=True)
         return
-    speed = " / ".join(f"{s:.2f}" for s in vllm["tok_s"].values())
+    speed = (f"failed: {vllm['error']}" if "error" in vllm else
+             " / ".join(f"{s:.2f}" for s in vllm["tok_s"].values()))
     print(f"| {name} | {values} | {prep} | {vllm['kv_tokens']:,} | {vllm['kv_tokens_per_gib']:,.0f} | "
           f"{vllm['max_concurrency_4k']:.1f} | {speed} |", flush=True)
 
@@ -78,6 +111,9 @@ def main() -> None:
                         help="convert the random source (default) or write a random MLA checkpoint of its shape")
     parser.add_argument("--skip-source", action="store_true", help="no vLLM row for the source")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    parser.add_argument("--step-timeout", type=int, default=300,
+                        help="seconds vLLM waits for one engine step (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS; its "
+                             "default 300 is too short for a 7-8B model on a CPU without bfloat16 matrix units)")
     args = parser.parse_args()
     if not VLLM_PYTHON.is_file():
         sys.exit("vllm_capacity: no .venv-vllm: run `make setup-vllm`")
@@ -85,6 +121,7 @@ def main() -> None:
 
     tokenizer = load_source("smollm2-135m")[1]
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="vllm-capacity-"))
+    print(f"<!-- CPU: {cpu_name()}, {os.cpu_count()} cores -->")
     print(f"| model | KV values per token per layer | conversion / export (time, peak RSS) | vLLM KV tokens in "
           f"{args.kv_space:g} GiB | tokens/GiB | 4K requests held | output tok/s at {args.concurrency} |")
     print("|---|---:|---|---:|---:|---:|---|")

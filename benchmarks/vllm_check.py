@@ -18,7 +18,8 @@ deepseek-v3 --pad-for vllm`. vLLM and transformers run the same directory in the
 * `--floor`: transformers in float32 too, against which both bfloat16 runs are compared: how far
   rounding alone moves greedy decoding;
 * vLLM's own KV capacity: tokens in `--kv-space` GiB (VLLM_CPU_KVCACHE_SPACE) and the concurrency that
-  allows at 4,096 tokens per request; `--concurrency`: output tok/s of n requests submitted together.
+  allows at 4,096 tokens per request, printed as soon as the engine is up (so a run that fails later still
+  shows it); `--concurrency`: output tok/s of n requests submitted together.
 
 The RoPE kernel. vLLM-CPU 0.32's `_C.rotary_embedding` rotates a 3-D [tokens, heads, dim] query wrongly
 (2-D [tokens, heads·dim] is right; benchmarks/vllm_rope_repro.py shows it on random tensors), and
@@ -94,6 +95,8 @@ def offline(args, ids: list[list[int]]) -> dict:
     cache = llm.llm_engine.vllm_config.cache_config
     capacity = cache.num_gpu_blocks * cache.block_size
     load_s = time.perf_counter() - start
+    print(f"vLLM KV cache: {capacity:,} tokens in {args.kv_space:g} GiB = {capacity / args.kv_space:,.0f} tokens/GiB; "
+          f"{capacity / LONG_REQUEST:.2f} requests of {LONG_REQUEST} tokens (engine load {load_s:.0f} s)", flush=True)
     greedy = SamplingParams(temperature=0, max_tokens=args.new_tokens, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], greedy, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -176,8 +179,6 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, list[int]]
 
 def report(args, vllm: dict, hf: dict | None, server: list[list[int]] | None) -> dict:
     print(f"model {args.model}  dtype {args.dtype}  backend {args.backend}  rope op {args.rope_op}")
-    print(f"vLLM KV cache: {vllm['kv_tokens']:,} tokens in {args.kv_space:g} GiB = {vllm['kv_tokens_per_gib']:,.0f} "
-          f"tokens/GiB; {vllm['max_concurrency_4k']:.2f} requests of {LONG_REQUEST} tokens (engine load {vllm['load_s']:.0f} s)")
     result = dict(model=args.model, dtype=args.dtype, backend=args.backend, rope_op=args.rope_op,
                   **{k: vllm[k] for k in ("kv_tokens", "kv_tokens_per_gib", "max_concurrency_4k", "tok_s")})
     if hf is not None:
