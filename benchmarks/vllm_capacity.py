@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from convert_memory import TARGETS, llama_config, write_random_llama, write_random_mla  # noqa: E402
+from vllm_check import LONG_REQUEST  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -63,7 +64,7 @@ def cpu_name() -> str:
     return f"{model.group(1) if model else 'unknown CPU'} ({', '.join(bf16)})"
 
 
-def failure(run: subprocess.CompletedProcess, log: Path) -> dict:
+def failure(run: subprocess.CompletedProcess, log: Path, kv_space: float) -> dict:
     """A failed vllm_check run → its root cause (the first exception line vLLM logged), the KV capacity
     if the engine came up before it failed, and its whole output kept in `log`."""
     log.write_text(run.stdout + run.stderr)
@@ -72,8 +73,7 @@ def failure(run: subprocess.CompletedProcess, log: Path) -> dict:
     capacity = re.search(r"vLLM KV cache: ([\d,]+) tokens", run.stdout)
     if capacity:
         tokens = int(capacity.group(1).replace(",", ""))
-        result.update(kv_tokens=tokens, kv_tokens_per_gib=tokens / float(run.args[run.args.index("--kv-space") + 1]),
-                      max_concurrency_4k=tokens / 4096)
+        result.update(kv_tokens=tokens, kv_tokens_per_gib=tokens / kv_space, max_concurrency_4k=tokens / LONG_REQUEST)
     return result
 
 
@@ -85,7 +85,7 @@ def served(model: Path, args, out: Path) -> dict:
                          capture_output=True, text=True,
                          env={**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(args.step_timeout)})
     if run.returncode != 0:
-        return failure(run, out.with_suffix(".log"))
+        return failure(run, out.with_suffix(".log"), args.kv_space)
     return json.loads(out.read_text())
 
 

@@ -109,7 +109,7 @@ def offline(args, ids: list[list[int]]) -> dict:
         speed[n] = n * args.new_tokens / (time.perf_counter() - t)
     llm.llm_engine.engine_core.shutdown()  # frees its cache before a server starts
     return dict(tokens=tokens, logprobs=logprobs, kv_tokens=capacity, kv_tokens_per_gib=capacity / args.kv_space,
-                max_concurrency_4k=capacity / LONG_REQUEST, load_s=load_s, tok_s=speed)
+                max_concurrency_4k=capacity / LONG_REQUEST, tok_s=speed)
 
 
 def served(args, ids: list[list[int]], port: int = 8765) -> list[list[int]]:
