@@ -145,9 +145,9 @@ def test_predictions_are_postprocessed_as_ruler_does():
     assert ruler.score_of("VAR ABCDE, FGHIJ", ["ABCDE", "FGHIJ", "KLMNO"]) == pytest.approx(2 / 3)
 
 
-def test_batches_group_prompts_that_generate_alike_within_the_token_budget():
-    made = samples("niah_single_1", n=3) + samples("vt", n=2) + samples("niah_multikey_2", n=3) + \
-        samples("niah_single_1", n=2, context=2048)
+def test_batches_group_prompts_that_generate_alike_within_the_token_budget_shortest_context_first():
+    made = samples("niah_single_1", n=2, context=2048) + samples("niah_single_1", n=3) + samples("vt", n=2) + \
+        samples("niah_multikey_2", n=3)
     groups = ruler.batches(made, ruler.TASKS, batch_tokens=4096)
     assert [[(s.task, s.context) for s in batch] for batch in groups] == [
         [("niah_single_1", 1024)] * 3 + [("niah_multikey_2", 1024)],

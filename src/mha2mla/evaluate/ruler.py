@@ -530,11 +530,13 @@ def generate_answers(model, tokenizer, samples: Sequence[Sample], spec, kv_bits:
 
 def batches(samples: Sequence[Sample], specs: dict, batch_tokens: int) -> list[list[Sample]]:
     """Samples that generate alike (one context length, generation budget and metric) in batches of up to
-    batch_tokens // context prompts, in order of first appearance."""
+    batch_tokens // context prompts: shortest context first, so a run stopped early has finished its short
+    rows; within a length in order of first appearance."""
     groups: dict[tuple, list[Sample]] = {}
     for s in samples:
         groups.setdefault((s.context, specs[s.task].max_new_tokens, specs[s.task].metric), []).append(s)
-    return [group[b:b + max(1, batch_tokens // context)] for (context, _, _), group in groups.items()
+    ordered = sorted(groups.items(), key=lambda item: item[0][0])
+    return [group[b:b + max(1, batch_tokens // context)] for (context, _, _), group in ordered
             for b in range(0, len(group), max(1, batch_tokens // context))]
 
 
